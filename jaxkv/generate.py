@@ -1,0 +1,131 @@
+"""generate: prefill, then a lax.scan of decode_step, compiled as one program."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.experimental import io_callback
+
+from jaxkv import checks
+from jaxkv.cache import KVCache, init_cache
+from jaxkv.decoder import decode_step, prefill_padded
+from jaxkv.sampling import SamplingParams, row_keys, sample, sampling_params
+from jaxkv.tracecount import count_trace
+
+
+def prepare_prompts(config, prompts, lengths=None):
+    """Right-padded tokens [B, bucket(T)] and lengths [B] from ragged lists or a [B, T] array."""
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("prompts is empty: expected at least one prompt")
+        if lengths is not None:
+            raise ValueError("lengths is only for a [B, T] prompts array, not a list of lists")
+        rows = [checks.int_array(p, f"prompts[{i}]", 1) for i, p in enumerate(prompts)]
+        for i, row in enumerate(rows):
+            if row.shape[0] == 0:
+                raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+        lengths = [row.shape[0] for row in rows]
+        tokens = np.zeros((len(rows), max(lengths)), np.int32)
+        for i, row in enumerate(rows):
+            tokens[i, : row.shape[0]] = row
+        prompts = tokens
+    tokens_BT = checks.int_array(prompts, "prompts", 2)
+    B, T = tokens_BT.shape
+    lengths_B = jnp.full((B,), T, jnp.int32) if lengths is None else checks.int_array(
+        lengths, "lengths", 1)
+    lengths = checks.concrete(lengths_B)
+    if lengths_B.shape != (B,) or (lengths < 1).any() or (lengths > T).any():
+        raise ValueError(f"lengths must have shape ({B},) with values in [1, {T}] (no empty "
+                         f"prompts), got {lengths.tolist()}")
+    for b in range(B):
+        checks.token_range(config, tokens_BT[b, : lengths[b]], f"prompts[{b}]")
+    return checks.pad_to_bucket(tokens_BT), lengths_B
+
+
+def capacity_for(config, padded_len: int, max_new_tokens: int, lengths_B, max_len=None) -> int:
+    """Cache slots for a generation; the default depends only on the prompt bucket."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    capacity, limit = max_len, "max_len"
+    if max_len is None:
+        capacity, limit = padded_len + max_new_tokens, "prompt bucket + max_new_tokens"
+        if config.position == "learned" and capacity >= config.max_seq_len:
+            capacity, limit = config.max_seq_len, "the model's learned positions"
+    need = int(np.max(np.asarray(lengths_B))) + max_new_tokens
+    if need > capacity:
+        raise ValueError(f"prompt + max_new_tokens = {need - max_new_tokens} + {max_new_tokens} "
+                         f"= {need} positions, over the cache capacity ({limit}: {capacity})")
+    return capacity
+
+
+@struct.dataclass
+class _Decoding:
+    cache: KVCache
+    logits: jax.Array  # [B, V] float32, for the next token
+    pos: jax.Array  # [B] int32, where the next token goes
+    seen: jax.Array  # [B, V] bool, tokens the repetition penalty applies to
+    done: jax.Array  # [B] bool, the row has emitted EOS
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token"))
+def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id, *,
+              max_new_tokens: int, capacity: int, on_token=None):
+    """The compiled program behind generate: prefill, then a scan of sample + decode_step."""
+    count_trace("generate")
+    B, T = tokens_BT.shape
+    V = params.config.vocab_size
+    rows_B1 = jnp.arange(B)[:, None]
+    logits_BV, cache = prefill_padded(params, init_cache(params, B, capacity), tokens_BT,
+                                      lengths_B, jnp.zeros((B,), jnp.int32))
+    prompt_BT = jnp.where(jnp.arange(T) < lengths_B[:, None], tokens_BT, V)
+    seen_BV = jnp.zeros((B, V), bool).at[rows_B1, prompt_BT].set(True, mode="drop")
+    state = _Decoding(cache, logits_BV, lengths_B, seen_BV, jnp.zeros((B,), bool))
+
+    def step(s: _Decoding, t):
+        token_B = jnp.where(s.done, pad_id, sample(s.logits, sampling, keys_B, t, s.seen))
+        if on_token is not None:
+            io_callback(on_token, None, token_B, ordered=True)
+        done_B = s.done | jnp.isin(token_B, eos_E)
+        # The last step's logits are never used, nor those after every row has ended.
+        logits_BV, cache = jax.lax.cond(
+            jnp.all(done_B) | (t == max_new_tokens - 1), lambda: (s.logits, s.cache),
+            lambda: decode_step(params, s.cache, token_B, s.pos))
+        seen_BV = s.seen.at[rows_B1[:, 0], token_B].set(True)
+        return _Decoding(cache, logits_BV, s.pos + 1, seen_BV, done_B), token_B
+
+    _, tokens_TB = jax.lax.scan(step, state, jnp.arange(max_new_tokens))
+    tokens_BT = tokens_TB.T
+    is_eos_BT = jnp.isin(tokens_BT, eos_E)
+    lengths_B = jnp.where(is_eos_BT.any(-1), jnp.argmax(is_eos_BT, -1) + 1, max_new_tokens)
+    return tokens_BT, lengths_B.astype(jnp.int32)
+
+
+def generate(params, prompts, max_new_tokens: int, **options):
+    """Continues each prompt by up to max_new_tokens tokens: (tokens [B, max_new_tokens], lengths [B]).
+
+    prompts: a list of token-id lists (ragged) or a [B, T] array with lengths=[B]. Options:
+    temperature (0: greedy), top_k, top_p, min_p, repetition_penalty: scalars or per-row [B]
+    sequences, None meaning off; key: one key (row b uses fold_in(key, b)) or [B] keys;
+    eos_id: an id or a list of ids; after a row's EOS its tokens are pad_id (default: the first
+    EOS id) and its length counts the EOS; max_len: the cache capacity (default: prompt bucket +
+    max_new_tokens); on_token(token [B]): called from inside the compiled loop at each step.
+    """
+    args, static = generate_args(params, prompts, max_new_tokens, **options)
+    return generate_loop(*args, **static)
+
+
+def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, temperature=0.0,
+                  top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
+                  eos_id=None, pad_id=None, max_len=None, on_token=None):
+    """Validated (args, static kwargs) for generate_loop; lets callers compile ahead of time."""
+    tokens_BT, lengths_B = prepare_prompts(params.config, prompts, lengths)
+    B, T = tokens_BT.shape
+    capacity = capacity_for(params.config, T, max_new_tokens, lengths_B, max_len)
+    sampling = sampling_params(B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                               repetition_penalty=repetition_penalty)
+    eos_E = jnp.atleast_1d(jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32))
+    pad_id = int(eos_E[0]) if pad_id is None and eos_id is not None else (pad_id or 0)
+    args = (params, tokens_BT, lengths_B, sampling, row_keys(key, B), eos_E, jnp.int32(pad_id))
+    return args, dict(max_new_tokens=max_new_tokens, capacity=capacity, on_token=on_token)

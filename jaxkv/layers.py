@@ -1,0 +1,52 @@
+"""Stateless building blocks: norms, rotary embeddings, the feed-forward network."""
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.config import Config
+from jaxkv.params import Norm
+
+ACTIVATIONS = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+}
+
+
+def norm(x_BTD, p: Norm, kind: str, eps: float):
+    """LayerNorm or RMSNorm, computed in float32 and returned in x's dtype."""
+    x = x_BTD.astype(jnp.float32)
+    if kind == "layernorm":
+        x = x - x.mean(-1, keepdims=True)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps)
+    y = x * p.scale.astype(jnp.float32)
+    if p.bias is not None:
+        y = y + p.bias.astype(jnp.float32)
+    return y.astype(x_BTD.dtype)
+
+
+def rope(x_BTNH, pos_BT, theta: float):
+    """Rotary embedding, rotate-half layout (Hugging Face Llama): pairs (i, i + H/2)."""
+    H = x_BTNH.shape[-1]
+    inv_freq_h = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)  # [H/2]
+    angle_BTh = pos_BT[..., None].astype(jnp.float32) * inv_freq_h
+    cos_BT1h, sin_BT1h = jnp.cos(angle_BTh)[:, :, None], jnp.sin(angle_BTh)[:, :, None]
+    x = x_BTNH.astype(jnp.float32)
+    x1, x2 = x[..., : H // 2], x[..., H // 2:]
+    out = jnp.concatenate([x1 * cos_BT1h - x2 * sin_BT1h, x2 * cos_BT1h + x1 * sin_BT1h], -1)
+    return out.astype(x_BTNH.dtype)
+
+
+def mlp(x_BTD, w_up, w_down, w_gate, b_up, b_down, config: Config):
+    """Feed-forward: act(x W_up) W_down, or act(x W_gate) * (x W_up) W_down when gated."""
+    act = ACTIVATIONS[config.activation]
+    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, w_up)
+    if b_up is not None:
+        up_BTF = up_BTF + b_up
+    if w_gate is not None:
+        up_BTF = act(jnp.einsum("BTD,DF->BTF", x_BTD, w_gate)) * up_BTF
+    else:
+        up_BTF = act(up_BTF)
+    out_BTD = jnp.einsum("BTF,FD->BTD", up_BTF, w_down)
+    return out_BTD if b_down is None else out_BTD + b_down

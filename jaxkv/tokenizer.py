@@ -1,0 +1,93 @@
+"""Tokenizers (the `tokenizers` library) and chat templates, from HF directories, GGUF files
+and jaxkv.save directories."""
+
+import json
+import os
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from jaxkv.checkpoint import SAVED_CONFIG, gguf_field
+
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
+
+
+def load_tokenizer(path) -> Tokenizer:
+    """A tokenizers.Tokenizer for a Hugging Face / jaxkv.save directory or a GGUF file."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        import gguf
+
+        return tokenizer_from_gguf(gguf.GGUFReader(path), path)
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
+    if os.path.isfile(vocab) and os.path.isfile(merges):  # GPT-2's original files
+        tok = Tokenizer(models.BPE.from_file(vocab, merges))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok
+    raise FileNotFoundError(f"load_tokenizer: no tokenizer.json (or vocab.json + merges.txt) in "
+                            f"{path!r}, and it is not a .gguf file")
+
+
+def tokenizer_from_gguf(reader, source: str = "GGUF") -> Tokenizer:
+    """A byte-level BPE tokenizer ('gpt2' GGUF tokenizer model) from the GGUF's metadata."""
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{source}: GGUF tokenizer model {kind!r} is not supported (only 'gpt2' "
+                         "byte-level BPE); use a directory with tokenizer.json")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if gguf_field(reader, "tokenizer.ggml.pre") == "smollm":  # llama.cpp splits digits first
+        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                              byte_level])
+    tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    types = gguf_field(reader, "tokenizer.ggml.token_type", [])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == GGUF_CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False)
+                    for t, kind in zip(tokens, types) if kind == GGUF_USER_DEFINED])
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    if gguf_field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
+    return tok
+
+
+def chat_template(path) -> str | None:
+    """The model's Jinja chat template, or None if it has none."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        import gguf
+
+        return gguf_field(gguf.GGUFReader(path), "tokenizer.chat_template")
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja) as f:
+            return f.read()
+    for name, key in ((SAVED_CONFIG, "chat_template"), ("tokenizer_config.json", "chat_template")):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                template = json.load(f).get(key)
+            if template:
+                return template
+    return None
+
+
+def apply_chat_template(template: str, messages: list[dict], add_generation_prompt=True,
+                        **special_tokens) -> str:
+    """Renders messages ([{"role": ..., "content": ...}]) with a Jinja chat template."""
+    import jinja2
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **special_tokens)

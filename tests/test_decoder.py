@@ -1,0 +1,110 @@
+"""Cached decoding (prefill + decode_step) equals the plain uncached forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from tests.conftest import random_tokens
+
+TOL = 1e-4
+
+
+def decode_teacher_forced(params, tokens_BT, lengths_B, capacity=48):
+    """Prefill each row's first lengths[b] tokens, then feed the rest one by one.
+
+    Returns logits [B, T, V] at positions >= lengths[b]-1 (earlier entries are NaN).
+    """
+    B, T = tokens_BT.shape
+    out = np.full((B, T, params.config.vocab_size), np.nan, np.float32)
+    cache = jaxkv.init_cache(params, B, capacity)
+    logits_BV, cache = jaxkv.prefill(params, cache, tokens_BT, lengths_B)
+    step = jax.jit(jaxkv.decode_step, donate_argnames="cache")
+    pos_B = np.array(lengths_B)
+    out[np.arange(B), pos_B - 1] = logits_BV
+    while pos_B.min() < T:
+        token_B = tokens_BT[np.arange(B), np.minimum(pos_B, T - 1)]
+        logits_BV, cache = step(params, cache, token_B, jnp.asarray(pos_B))
+        live = pos_B < T
+        out[np.arange(B)[live], pos_B[live]] = np.asarray(logits_BV)[live]
+        pos_B = pos_B + 1
+    return out
+
+
+def test_decode_loop_equals_forward(model):
+    tokens_BT = random_tokens(0, (2, 20))
+    ref_BTV = np.asarray(jaxkv.forward(model, tokens_BT))
+    got_BTV = decode_teacher_forced(model, tokens_BT, jnp.array([7, 7]))
+    np.testing.assert_allclose(got_BTV[:, 6:], ref_BTV[:, 6:], atol=TOL, rtol=0)
+
+
+def test_ragged_batch_rows_match_rows_alone(model):
+    """Rows with different prompt lengths decode together, each at its own position."""
+    tokens_BT = np.asarray(random_tokens(1, (3, 20)))
+    lengths_B = np.array([3, 11, 6])
+    batched_BTV = decode_teacher_forced(model, tokens_BT, lengths_B)
+    for b in range(3):
+        alone_TV = decode_teacher_forced(model, tokens_BT[b:b + 1], lengths_B[b:b + 1])[0]
+        ref_TV = np.asarray(jaxkv.forward(model, tokens_BT[b:b + 1]))[0]
+        start = lengths_B[b] - 1
+        np.testing.assert_allclose(batched_BTV[b, start:], alone_TV[start:], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(batched_BTV[b, start:], ref_TV[start:], atol=TOL, rtol=0)
+
+
+def test_prefill_in_several_calls(llama):
+    tokens_BT = random_tokens(2, (2, 12))
+    ref_BV = jaxkv.forward(llama, tokens_BT)[:, -1]
+    cache = jaxkv.init_cache(llama, 2, 32)
+    _, cache = jaxkv.prefill(llama, cache, tokens_BT[:, :5])
+    logits_BV, cache = jaxkv.prefill(llama, cache, tokens_BT[:, 5:], start=jnp.array([5, 5]))
+    np.testing.assert_allclose(logits_BV, ref_BV, atol=TOL, rtol=0)
+
+
+def test_decode_step_under_vmap(llama):
+    """decode_step vmaps over a stack of independent caches."""
+    tokens_XBT = random_tokens(3, (2, 2, 6))
+    caches = [jaxkv.prefill(llama, jaxkv.init_cache(llama, 2, 16), t)[1] for t in tokens_XBT]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *caches)
+    token_XB, pos_XB = jnp.array([[1, 2], [3, 4]]), jnp.full((2, 2), 6)
+    logits_XBV, _ = jax.vmap(jaxkv.decode_step, in_axes=(None, 0, 0, 0))(
+        llama, stacked, token_XB, pos_XB)
+    for x in range(2):
+        logits_BV, _ = jaxkv.decode_step(llama, caches[x], token_XB[x], pos_XB[x])
+        np.testing.assert_allclose(logits_XBV[x], logits_BV, atol=1e-6, rtol=0)
+
+
+def test_bfloat16_cache_stays_close(llama):
+    tokens_BT = random_tokens(4, (1, 10))
+    ref_BV = jaxkv.forward(llama, tokens_BT)[:, -1]
+    cache = jaxkv.init_cache(llama, 1, 16, dtype=jnp.bfloat16)
+    assert cache.k.dtype == jnp.bfloat16 and cache.k.shape == (3, 1, 16, 2, 16)
+    logits_BV, _ = jaxkv.prefill(llama, cache, tokens_BT)
+    np.testing.assert_allclose(logits_BV, ref_BV, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(tokens=np.zeros((1, 20), np.int32)), "prompt longer than the cache"),
+    (dict(tokens=np.zeros((1, 0), np.int32)), "tokens is empty"),
+    (dict(tokens=np.array([[1, 97]])), r"tokens\[0, 1\] = 97 is not a token id"),
+    (dict(tokens=np.array([[1, -3]])), r"tokens\[0, 1\] = -3 is not a token id"),
+    (dict(tokens=np.array([[1, 2]]), lengths=np.array([0])), "empty prompts"),
+    (dict(tokens=np.array([1, 2])), "tokens must have 2 dimension"),
+    (dict(tokens=np.array([[1.0, 2.0]])), "integer"),
+])
+def test_prefill_rejects_bad_input(llama, bad, match):
+    cache = jaxkv.init_cache(llama, 1, 16)
+    with pytest.raises((ValueError, TypeError), match=match):
+        jaxkv.prefill(llama, cache, bad["tokens"], bad.get("lengths"))
+
+
+@pytest.mark.parametrize("token, pos, match", [
+    ([97], [0], "not a token id"),
+    ([-1], [0], "not a token id"),
+    ([1], [16], r"pos must be in \[0, 16\)"),
+    ([1, 2], [0, 0], r"shape \(1,\)"),
+])
+def test_decode_step_rejects_bad_input(llama, token, pos, match):
+    cache = jaxkv.init_cache(llama, 1, 16)
+    with pytest.raises(ValueError, match=match):
+        jaxkv.decode_step(llama, cache, np.array(token), np.array(pos))
