@@ -66,11 +66,12 @@ class Config:
     def gpt2(cls, *, vocab_size, d_model, n_layers, n_heads, max_seq_len, d_ff=None,
              norm_eps=1e-5, **overrides):
         """A GPT-2 family config (MHA, LayerNorm, GELU-tanh, biases, tied head)."""
+        family = dict(n_kv_heads=n_heads, head_dim=d_model // n_heads, d_ff=d_ff or 4 * d_model,
+                      norm="layernorm", norm_eps=norm_eps, activation="gelu_tanh",
+                      gated_mlp=False, position="learned", attn_bias=True, mlp_bias=True,
+                      tie_embeddings=True)
         return cls(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                   n_kv_heads=n_heads, head_dim=d_model // n_heads, d_ff=d_ff or 4 * d_model,
-                   max_seq_len=max_seq_len, norm="layernorm", norm_eps=norm_eps,
-                   activation="gelu_tanh", gated_mlp=False, position="learned", attn_bias=True,
-                   mlp_bias=True, tie_embeddings=True, **overrides)
+                   max_seq_len=max_seq_len, **{**family, **overrides})
 
     @classmethod
     def llama(cls, *, vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_seq_len,

@@ -61,7 +61,7 @@ def llama_map(c: Config, names: dict, unpermute_qk=False) -> dict:
         fix = {"bq": q_fix, "bk": k_fix}.get(ours, lambda b: b)
         m[f"blocks.{ours}"] = Src(names[theirs].replace(".weight", ".bias"), (int(np.prod(shape)),),
                                   lambda b, fix=fix, shape=shape: fix(b).reshape(shape))
-    for ours, theirs, n in (("b_up", "up", F), ("b_down", "down", D)):
+    for ours, theirs, n in (("b_up", "up", F), ("b_gate", "gate", F), ("b_down", "down", D)):
         m[f"blocks.{ours}"] = Src(names[theirs].replace(".weight", ".bias"), (n,))
     return m
 

@@ -61,7 +61,7 @@ def _block(config, b: Blocks, x_BTD, pos_BT, mask_BTS, kv):
         attn_BTD = attn_BTD + b.bo
     x_BTD = x_BTD + attn_BTD
     h_BTD = norm(x_BTD, b.mlp_norm, config.norm, config.norm_eps)
-    x_BTD = x_BTD + mlp(h_BTD, b.w_up, b.w_down, b.w_gate, b.b_up, b.b_down, config)
+    x_BTD = x_BTD + mlp(h_BTD, b, config)
     return x_BTD, (k_BSKH, v_BSKH)
 
 

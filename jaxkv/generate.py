@@ -22,10 +22,10 @@ def prepare_prompts(config, prompts, lengths=None):
             raise ValueError("prompts is empty: expected at least one prompt")
         if lengths is not None:
             raise ValueError("lengths is only for a [B, T] prompts array, not a list of lists")
-        rows = [checks.int_array(p, f"prompts[{i}]", 1) for i, p in enumerate(prompts)]
-        for i, row in enumerate(rows):
-            if row.shape[0] == 0:
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
                 raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+        rows = [checks.int_array(p, f"prompts[{i}]", 1) for i, p in enumerate(prompts)]
         lengths = [row.shape[0] for row in rows]
         tokens = np.zeros((len(rows), max(lengths)), np.int32)
         for i, row in enumerate(rows):

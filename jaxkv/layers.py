@@ -38,15 +38,17 @@ def rope(x_BTNH, pos_BT, theta: float):
     return out.astype(x_BTNH.dtype)
 
 
-def mlp(x_BTD, w_up, w_down, w_gate, b_up, b_down, config: Config):
-    """Feed-forward: act(x W_up) W_down, or act(x W_gate) * (x W_up) W_down when gated."""
+def dense(x_BTI, w_IO, b_O=None):
+    y_BTO = jnp.einsum("BTI,IO->BTO", x_BTI, w_IO)
+    return y_BTO if b_O is None else y_BTO + b_O
+
+
+def mlp(x_BTD, b, config: Config):
+    """Feed-forward of one block b: act(x W_up) W_down, or act(x W_gate) * (x W_up) W_down."""
     act = ACTIVATIONS[config.activation]
-    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, w_up)
-    if b_up is not None:
-        up_BTF = up_BTF + b_up
-    if w_gate is not None:
-        up_BTF = act(jnp.einsum("BTD,DF->BTF", x_BTD, w_gate)) * up_BTF
+    up_BTF = dense(x_BTD, b.w_up, b.b_up)
+    if b.w_gate is not None:
+        up_BTF = act(dense(x_BTD, b.w_gate, b.b_gate)) * up_BTF
     else:
         up_BTF = act(up_BTF)
-    out_BTD = jnp.einsum("BTF,FD->BTD", up_BTF, w_down)
-    return out_BTD if b_down is None else out_BTD + b_down
+    return dense(up_BTF, b.w_down, b.b_down)

@@ -31,6 +31,7 @@ class Blocks:
     bv: jax.Array | None = None  # [L, K, H]
     bo: jax.Array | None = None  # [L, D]
     b_up: jax.Array | None = None  # [L, F]
+    b_gate: jax.Array | None = None  # [L, F]; gated MLPs with biases only
     b_down: jax.Array | None = None  # [L, D]
 
 
@@ -70,7 +71,8 @@ def init_params(config: Config, key: jax.Array, dtype=jnp.float32) -> Params:
         w_gate=normal(L, D, F) if c.gated_mlp else None,
         bq=zeros(L, N, H, when=c.attn_bias), bk=zeros(L, K, H, when=c.attn_bias),
         bv=zeros(L, K, H, when=c.attn_bias), bo=zeros(L, D, when=c.attn_bias),
-        b_up=zeros(L, F, when=c.mlp_bias), b_down=zeros(L, D, when=c.mlp_bias))
+        b_up=zeros(L, F, when=c.mlp_bias), b_gate=zeros(L, F, when=c.mlp_bias and c.gated_mlp),
+        b_down=zeros(L, D, when=c.mlp_bias))
     return Params(
         config=c, embed=normal(V, D), blocks=blocks, final_norm=norm(),
         pos_embed=normal(c.max_seq_len, D) if c.position == "learned" else None,

@@ -39,3 +39,44 @@ def gpt2():
 
 def random_tokens(key, shape, vocab=TINY["vocab_size"]):
     return jax.random.randint(jax.random.key(key), shape, 0, vocab)
+
+
+HF_TINY = dict(vocab_size=97, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def hf_configs():
+    """Tiny random Hugging Face models: GPT-2, Llama GQA (untied) and Llama MQA (tied, biases)."""
+    import transformers
+
+    return {
+        "gpt2": (transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=128,
+                                         **HF_TINY), transformers.GPT2LMHeadModel),
+        "llama_gqa": (transformers.LlamaConfig(
+            hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, max_position_embeddings=128, **HF_TINY),
+            transformers.LlamaForCausalLM),
+        "llama_mqa_bias": (transformers.LlamaConfig(
+            hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+            intermediate_size=96, max_position_embeddings=128, tie_word_embeddings=True,
+            attention_bias=True, mlp_bias=True, rope_theta=500000.0, **HF_TINY),
+            transformers.LlamaForCausalLM),
+    }
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """{name: (torch model, directory written by save_pretrained)}; no download."""
+    import torch
+
+    models = {}
+    for i, (name, (config, cls)) in enumerate(hf_configs().items()):
+        torch.manual_seed(i)
+        model = cls(config).eval()
+        with torch.no_grad():  # HF initialises biases to zero; make them matter
+            for n, p in model.named_parameters():
+                if n.endswith("bias") or "norm" in n or "ln_" in n:
+                    p.add_(0.1 * torch.randn_like(p))
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        models[name] = (model, path)
+    return models

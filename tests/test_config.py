@@ -1,0 +1,27 @@
+"""Configs are frozen and validated."""
+
+import dataclasses
+
+import pytest
+
+import jaxkv
+from tests.conftest import CONFIGS
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(n_kv_heads=3), r"n_heads \(4\) must be a multiple of Config.n_kv_heads \(3\)"),
+    (dict(d_model=0), "d_model must be a positive int"),
+    (dict(norm="batchnorm"), "norm must be one of"),
+    (dict(head_dim=15), "head_dim must be even for RoPE"),
+    (dict(eos_id=97), r"eos_id must be in \[0, 97\)"),
+])
+def test_invalid_configs_are_rejected(change, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(CONFIGS["llama_gqa"], **change)
+
+
+def test_config_is_frozen_and_round_trips():
+    config = CONFIGS["gpt2"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.n_layers = 4
+    assert jaxkv.Config.from_dict(config.to_dict()) == config
