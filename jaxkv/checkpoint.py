@@ -1,5 +1,6 @@
 """Loading and saving parameters: Hugging Face directories, GGUF files, jaxkv's own format."""
 
+import functools
 import glob
 import json
 import os
@@ -114,6 +115,20 @@ def _read(tensors, name):
 
 # ---- GGUF ---------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=4)
+def _gguf_reader(path: str, mtime: float):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def gguf_reader(path: str):
+    """A GGUFReader, kept for reuse: parsing a large vocabulary's metadata takes seconds, and
+    weights, tokenizer and chat template all come from the same file."""
+    path = os.path.abspath(path)
+    return _gguf_reader(path, os.path.getmtime(path))
+
+
 def gguf_field(reader, key, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -146,7 +161,7 @@ def load_gguf(path: str, dtype=None) -> Params:
     """A llama-architecture GGUF, dequantized with the gguf package."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = gguf_reader(path)
     config = config_from_gguf(reader, path)
     tensors = {t.name: t for t in reader.tensors}
 

@@ -6,7 +6,7 @@ import os
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from jaxkv.checkpoint import SAVED_CONFIG, gguf_field
+from jaxkv.checkpoint import SAVED_CONFIG, gguf_field, gguf_reader
 
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 
@@ -15,9 +15,7 @@ def load_tokenizer(path) -> Tokenizer:
     """A tokenizers.Tokenizer for a Hugging Face / jaxkv.save directory or a GGUF file."""
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        import gguf
-
-        return tokenizer_from_gguf(gguf.GGUFReader(path), path)
+        return tokenizer_from_gguf(gguf_reader(path), path)
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
@@ -61,9 +59,7 @@ def chat_template(path) -> str | None:
     """The model's Jinja chat template, or None if it has none."""
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        import gguf
-
-        return gguf_field(gguf.GGUFReader(path), "tokenizer.chat_template")
+        return gguf_field(gguf_reader(path), "tokenizer.chat_template")
     jinja = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(jinja):
         with open(jinja) as f:

@@ -104,3 +104,13 @@ def test_misshapen_tensor_is_named(hf_models, tmp_path):
 def test_not_a_checkpoint_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a .gguf file nor a directory"):
         jaxkv.load(tmp_path)
+
+
+def test_gpt2_checkpoint_without_lm_prefix(hf_models, tmp_path):
+    """The original GPT-2 checkpoints name tensors 'h.0.attn...' without 'transformer.'."""
+    path = copy_hf(hf_models, "gpt2", tmp_path)
+    weights = load_file(path / "model.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in weights.items()},
+              path / "model.safetensors")
+    reference = jaxkv.load(hf_models["gpt2"][1])
+    jax.tree.map(np.testing.assert_array_equal, jaxkv.load(path), reference)
