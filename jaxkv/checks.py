@@ -92,3 +92,53 @@ def bucket_len(n: int) -> int:
 def pad_to_bucket(tokens_BT, pad_id: int = 0):
     T = tokens_BT.shape[1]
     return jnp.pad(tokens_BT, ((0, 0), (0, bucket_len(T) - T)), constant_values=pad_id)
+
+
+def encoder_args(config, encoder_inputs, encoder_lengths, batch_size=None):
+    """Validated (inputs, lengths_B or None) for an encoder: tokens [B, M] or audio features
+    [B, n_mels, frames]; batch_size, when given, must match B."""
+    if not config.is_encoder_decoder:
+        raise ValueError("encoder_inputs given, but this is a decoder-only model")
+    if encoder_inputs is None:
+        raise ValueError("this encoder-decoder model needs encoder_inputs (tokens [B, M] for "
+                         "T5, log-mel features [B, n_mels, frames] for Whisper)")
+    x = encoder_inputs if isinstance(encoder_inputs, jax.Array) else np.asarray(encoder_inputs)
+    inputs, lengths = (_audio_features(config.encoder, x, encoder_lengths)
+                       if config.encoder.input == "audio" else
+                       _encoder_tokens(config, x, encoder_lengths))
+    if batch_size is not None and inputs.shape[0] != batch_size:
+        raise ValueError(f"encoder_inputs has {inputs.shape[0]} rows, expected {batch_size} (one "
+                         "per decoder row)")
+    return inputs, lengths
+
+
+def _audio_features(e, x, encoder_lengths):
+    if encoder_lengths is not None:
+        raise ValueError("encoder_lengths is for token encoders; Whisper attends over the "
+                         "whole 30 s window (shorter audio is padded with silence by "
+                         "jaxkv.log_mel)")
+    expected = (e.n_mels, e.max_input_len)
+    if x.ndim != 3 or tuple(x.shape[1:]) != expected:
+        raise ValueError(f"encoder_inputs must be log-mel features [B, {expected[0]}, "
+                         f"{expected[1]}] (use jaxkv.log_mel, which pads audio to 30 s), got "
+                         f"shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"encoder_inputs must be float log-mel features, got {x.dtype}")
+    return jnp.asarray(x, jnp.float32), None
+
+
+def _encoder_tokens(config, x, encoder_lengths):
+    tokens_BM = int_array(x, "encoder_inputs", 2)
+    B, M = tokens_BM.shape
+    if M == 0 or M > config.encoder.max_input_len:
+        raise ValueError(f"encoder_inputs has {M} tokens; the encoder takes 1 to "
+                         f"{config.encoder.max_input_len}")
+    token_range(config, tokens_BM, "encoder_inputs")
+    if encoder_lengths is None:
+        return tokens_BM, None
+    lengths_B = int_array(encoder_lengths, "encoder_lengths", 1)
+    lengths = concrete(lengths_B)
+    if lengths_B.shape != (B,) or (lengths is not None and ((lengths < 1) | (lengths > M)).any()):
+        raise ValueError(f"encoder_lengths must have shape ({B},) with values in [1, {M}], got "
+                         f"{lengths_B.shape} {None if lengths is None else lengths.tolist()}")
+    return tokens_BM, lengths_B

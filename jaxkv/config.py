@@ -1,46 +1,91 @@
-"""Model configuration: one frozen, validated dataclass describes every decoder-only model."""
+"""Model configuration: frozen, validated dataclasses for decoder-only and encoder-decoder models."""
 
 import dataclasses
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "relu")
-POSITIONS = ("learned", "rope")
+POSITIONS = ("learned", "rope", "relative")
+ENCODER_INPUTS = ("tokens", "audio")
+
+
+def _positive_ints(obj, names):
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}")
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"Config.{name} must be one of {choices}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+    """The encoder of an encoder-decoder model; it shares width, heads, MLP and norms with the
+    decoder. Token encoders (T5) use the decoder's position scheme; audio encoders (Whisper) take
+    log-mel frames through two convolutions (the second halves the length) and a position table.
+    """
+
+    n_layers: int
+    max_len: int  # encoder positions: tokens (T5) or frames after the convolutions (Whisper)
+    input: str = "tokens"
+    n_mels: int = 80
+
+    def __post_init__(self):
+        _positive_ints(self, ("n_layers", "max_len", "n_mels"))
+        if self.input not in ENCODER_INPUTS:
+            raise ValueError(f"EncoderConfig.input must be one of {ENCODER_INPUTS}, got "
+                             f"{self.input!r}")
+
+    @property
+    def max_input_len(self) -> int:
+        """The longest encoder input: tokens, or mel frames (twice the positions) for audio."""
+        return 2 * self.max_len if self.input == "audio" else self.max_len
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Architecture of a decoder-only transformer.
+    """Architecture of a transformer: a decoder, and an encoder when `encoder` is set.
 
-    The GPT-2 family is learned positions + LayerNorm + GELU(tanh) + biases + tied head;
-    the Llama family is RoPE + RMSNorm + SwiGLU (gated SiLU) + grouped-query attention.
+    GPT-2 family: learned positions + LayerNorm + GELU(tanh) + biases + tied head.
+    Llama family: RoPE + RMSNorm + SwiGLU (gated SiLU) + grouped-query attention.
+    T5: relative position bias + RMSNorm + unscaled attention + ReLU or gated-GELU MLP.
+    Whisper: audio encoder; decoder with learned positions + LayerNorm + GELU + biases.
     """
 
     vocab_size: int
     d_model: int
-    n_layers: int
+    n_layers: int  # decoder layers
     n_heads: int
     n_kv_heads: int
     head_dim: int
     d_ff: int
-    max_seq_len: int  # learned positions: the table size (a hard limit); RoPE: the trained context
+    max_seq_len: int  # learned positions: the table size (a hard limit); otherwise informational
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     activation: str = "silu"
     gated_mlp: bool = True
     position: str = "rope"
     rope_theta: float = 10000.0
+    relative_buckets: int = 32  # T5 relative position bias
+    relative_max_distance: int = 128
+    scale_attention: bool = True  # scores * head_dim**-0.5 (T5 folds this into its weights)
     attn_bias: bool = False
     mlp_bias: bool = False
     tie_embeddings: bool = False
+    rescale_logits: bool = False  # T5 (original): the head sees hidden * d_model**-0.5
+    encoder: EncoderConfig | None = None
     bos_id: int | None = None
     eos_id: int | None = None
+    decoder_start_id: int | None = None  # encoder-decoder models: the first decoder token
+    suppress_ids: tuple = ()  # generation defaults (Whisper): never sampled
+    begin_suppress_ids: tuple = ()  # not sampled as the first generated token
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "d_ff", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Config.{name} must be a positive int, got {value!r}")
+        _positive_ints(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                              "head_dim", "d_ff", "max_seq_len", "relative_buckets",
+                              "relative_max_distance"))
         _check_choice("norm", self.norm, NORMS)
         _check_choice("activation", self.activation, ACTIVATIONS)
         _check_choice("position", self.position, POSITIONS)
@@ -52,15 +97,28 @@ class Config:
         if not self.norm_eps > 0 or not self.rope_theta > 0:
             raise ValueError("Config.norm_eps and Config.rope_theta must be > 0, got "
                              f"{self.norm_eps!r} and {self.rope_theta!r}")
-        for name in ("bos_id", "eos_id"):
+        for name in ("bos_id", "eos_id", "decoder_start_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(f"Config.{name} must be in [0, {self.vocab_size}), got {value}")
+        if self.encoder is not None and self.encoder.input == "audio" and \
+                self.position == "relative":
+            raise ValueError("Config: an audio encoder needs position='learned' or 'rope'")
+        object.__setattr__(self, "suppress_ids", tuple(self.suppress_ids))
+        object.__setattr__(self, "begin_suppress_ids", tuple(self.begin_suppress_ids))
 
     @property
     def group_size(self) -> int:
         """G: query heads per kv head."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def attn_scale(self) -> float:
+        return self.head_dim ** -0.5 if self.scale_attention else 1.0
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.encoder is not None
 
     @classmethod
     def gpt2(cls, *, vocab_size, d_model, n_layers, n_heads, max_seq_len, d_ff=None,
@@ -81,14 +139,33 @@ class Config:
                    n_kv_heads=n_kv_heads, head_dim=head_dim or d_model // n_heads, d_ff=d_ff,
                    max_seq_len=max_seq_len, **overrides)
 
+    @classmethod
+    def t5(cls, *, vocab_size, d_model, n_layers, n_encoder_layers, n_heads, head_dim, d_ff,
+           gated=False, tie_embeddings=True, max_source_len=512, **overrides):
+        """A T5 config: ReLU MLP (original) or gated-GELU (v1.1 / flan, gated=True)."""
+        family = dict(n_kv_heads=n_heads, head_dim=head_dim, d_ff=d_ff, max_seq_len=512,
+                      norm="rmsnorm", norm_eps=1e-6, activation="gelu_tanh" if gated else "relu",
+                      gated_mlp=gated, position="relative", scale_attention=False,
+                      tie_embeddings=tie_embeddings, rescale_logits=tie_embeddings,
+                      encoder=EncoderConfig(n_encoder_layers, max_source_len), decoder_start_id=0)
+        return cls(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                   **{**family, **overrides})
+
+    @classmethod
+    def whisper(cls, *, vocab_size, d_model, n_layers, n_encoder_layers, n_heads, d_ff=None,
+                n_mels=80, max_source_len=1500, max_seq_len=448, **overrides):
+        """A Whisper config (audio encoder; decoder with learned positions, LayerNorm, GELU)."""
+        family = dict(n_kv_heads=n_heads, head_dim=d_model // n_heads, d_ff=d_ff or 4 * d_model,
+                      norm="layernorm", norm_eps=1e-5, activation="gelu", gated_mlp=False,
+                      position="learned", attn_bias=True, mlp_bias=True, tie_embeddings=True,
+                      encoder=EncoderConfig(n_encoder_layers, max_source_len, "audio", n_mels))
+        return cls(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                   max_seq_len=max_seq_len, **{**family, **overrides})
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        return cls(**d)
-
-
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"Config.{name} must be one of {choices}, got {value!r}")
+        encoder = d.get("encoder")
+        return cls(**{**d, "encoder": encoder and EncoderConfig(**encoder)})

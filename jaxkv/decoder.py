@@ -1,13 +1,17 @@
-"""Decoder-only transformers (GPT-2, Llama): the uncached forward and the cached step."""
+"""The decoder stack of every model here: the uncached forward and the cached step.
+
+Decoder-only models (GPT-2, Llama) and the decoders of encoder-decoder models (T5, Whisper) run
+the same code; the latter add a cross-attention sublayer reading K/V the cache already holds.
+"""
 
 import jax
 import jax.numpy as jnp
 
-from jaxkv import cache as cache_lib
-from jaxkv import checks
-from jaxkv.attention import attend, causal_mask
-from jaxkv.layers import mlp, norm, rope
-from jaxkv.params import Blocks, Params
+from jaxkv import blocks, checks, encoder
+from jaxkv.attention import causal_mask, relative_bias
+from jaxkv.cache import KVCache
+from jaxkv.layers import norm
+from jaxkv.params import Params
 from jaxkv.tracecount import count_trace
 
 
@@ -24,67 +28,66 @@ def logits(params: Params, x_BTD):
     """Final norm and output head, in float32: [B, T, V]."""
     c = params.config
     x_BTD = norm(x_BTD, params.final_norm, c.norm, c.norm_eps)
-    if params.lm_head is None:
-        return jnp.einsum("BTD,VD->BTV", x_BTD, params.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("BTD,DV->BTV", x_BTD, params.lm_head, preferred_element_type=jnp.float32)
+    if c.rescale_logits:
+        x_BTD = x_BTD * c.d_model ** -0.5
+    if params.lm_head is not None:
+        return jnp.einsum("BTD,DV->BTV", x_BTD, params.lm_head, preferred_element_type=jnp.float32)
+    return jnp.einsum("BTD,VD->BTV", x_BTD, params.embed, preferred_element_type=jnp.float32)
 
 
-def _qkv(config, b: Blocks, h_BTD, pos_BT):
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, b.wq)
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, b.wk)
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, b.wv)
-    if b.bq is not None:
-        q_BTNH, k_BTKH, v_BTKH = q_BTNH + b.bq, k_BTKH + b.bk, v_BTKH + b.bv
-    if config.position == "rope":
-        q_BTNH = rope(q_BTNH, pos_BT, config.rope_theta)
-        k_BTKH = rope(k_BTKH, pos_BT, config.rope_theta)
-    return q_BTNH, k_BTKH, v_BTKH
+def self_bias(params: Params, pos_BT, key_pos_BS):
+    """T5's causal relative position bias [B, N, T, S]; None for other models."""
+    if params.rel_bias is None:
+        return None
+    return relative_bias(params.rel_bias, pos_BT, key_pos_BS, False,
+                         params.config.relative_max_distance)
 
 
-def _block(config, b: Blocks, x_BTD, pos_BT, mask_BTS, kv):
-    """One transformer block (b holds one layer's slice of Blocks).
+def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cross=None):
+    """All decoder layers -> (x_BTD, (k, v) [L, B, S, K, H]).
 
-    kv is None for the uncached forward (keys are this call's tokens), or (k_BSKH, v_BSKH,
-    slot_BT): this call's keys are written at slot_BT and every cached slot is attended.
+    self_kv: None (uncached: keys are this call's tokens) or (k, v [L, B, S, K, H], slot_BT).
+    cross: None or (k, v [L, B, M, K, H], mask_BM), the encoder's precomputed keys/values.
     """
-    h_BTD = norm(x_BTD, b.attn_norm, config.norm, config.norm_eps)
-    q_BTNH, k_BTKH, v_BTKH = _qkv(config, b, h_BTD, pos_BT)
-    if kv is None:
-        k_BSKH, v_BSKH = k_BTKH, v_BTKH
-    else:
-        k_BSKH, v_BSKH, slot_BT = kv
-        k_BSKH = cache_lib.write(k_BSKH, k_BTKH, slot_BT)
-        v_BSKH = cache_lib.write(v_BSKH, v_BTKH, slot_BT)
-    o_BTNH = attend(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), mask_BTS)
-    attn_BTD = jnp.einsum("BTNH,NHD->BTD", o_BTNH, b.wo)
-    if b.bo is not None:
-        attn_BTD = attn_BTD + b.bo
-    x_BTD = x_BTD + attn_BTD
-    h_BTD = norm(x_BTD, b.mlp_norm, config.norm, config.norm_eps)
-    x_BTD = x_BTD + mlp(h_BTD, b, config)
-    return x_BTD, (k_BSKH, v_BSKH)
+    c = params.config
+    k_LBSKH, v_LBSKH, slot_BT = self_kv or (None, None, None)
+    cross_k, cross_v, cross_mask_BM = cross or (None, None, None)
+
+    def layer(x_BTD, xs):
+        b, k_BSKH, v_BSKH, cb, ck_BMKH, cv_BMKH = xs
+        kv = None if k_BSKH is None else (k_BSKH, v_BSKH, slot_BT)
+        x_BTD, kv_out = blocks.self_attention(c, b, x_BTD, pos_BT, mask_BTS, bias_BNTS, kv)
+        if cb is not None:
+            x_BTD = blocks.cross_attention(c, cb, x_BTD, ck_BMKH, cv_BMKH, cross_mask_BM)
+        return blocks.feed_forward(c, b, x_BTD), kv_out
+
+    # The encoder's K/V projections were applied once, when the cache was filled; the layers
+    # get no access to them.
+    cross_q = params.cross and params.cross.replace(wk=None, wv=None, bk=None, bv=None)
+    xs = (params.blocks, k_LBSKH, v_LBSKH, cross_q, cross_k, cross_v)
+    return jax.lax.scan(layer, x_BTD, xs)
 
 
-def forward(params: Params, tokens):
+def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None):
     """The plain uncached computation: logits [B, T, V] for tokens [B, T] at positions 0..T-1.
 
-    This is the reference every cached path is tested against.
+    This is the reference every cached path is tested against. Encoder-decoder models also take
+    encoder_inputs (and encoder_lengths for padded token inputs); the encoder runs here too.
     """
     tokens_BT = checks.tokens_2d(params.config, tokens, "tokens")
     B, T = tokens_BT.shape
+    cross = None
+    if params.config.is_encoder_decoder or encoder_inputs is not None:
+        k, v, mask_BM = encoder.cross_cache(params, encoder_inputs, encoder_lengths, B)
+        cross = (k, v, mask_BM)
     pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
     x_BTD = embed(params, tokens_BT, pos_BT)
-    mask_BTS = causal_mask(pos_BT, T)
-
-    def layer(x_BTD, b):
-        x_BTD, _ = _block(params.config, b, x_BTD, pos_BT, mask_BTS, None)
-        return x_BTD, None
-
-    x_BTD, _ = jax.lax.scan(layer, x_BTD, params.blocks)
+    bias = self_bias(params, pos_BT, pos_BT)
+    x_BTD, _ = layers(params, x_BTD, pos_BT, causal_mask(pos_BT, T), bias, cross=cross)
     return logits(params, x_BTD)
 
 
-def extend(params: Params, cache, tokens_BT, pos_BT, slot_BT, mask_BTS):
+def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS):
     """The general cached pass: hidden states [B, T, D] and the updated cache.
 
     tokens_BT sit at positions pos_BT (what RoPE / learned positions see) and their K/V are
@@ -92,16 +95,15 @@ def extend(params: Params, cache, tokens_BT, pos_BT, slot_BT, mask_BTS):
     reads. Linear decoding uses slot == pos and a causal mask; forests use other masks.
     """
     x_BTD = embed(params, tokens_BT, pos_BT)
+    slots_BS = jnp.arange(cache.capacity)[None, :]  # a linear cache: slot s holds position s
+    bias = self_bias(params, pos_BT, slots_BS)
+    cross = None if cache.cross_k is None else (cache.cross_k, cache.cross_v, cache.cross_mask)
+    x_BTD, (k, v) = layers(params, x_BTD, pos_BT, mask_BTS, bias, (cache.k, cache.v, slot_BT),
+                           cross)
+    return x_BTD, cache.replace(k=k, v=v)
 
-    def layer(x_BTD, b_kv):
-        b, k_BSKH, v_BSKH = b_kv
-        return _block(params.config, b, x_BTD, pos_BT, mask_BTS, (k_BSKH, v_BSKH, slot_BT))
 
-    x_BTD, (k, v) = jax.lax.scan(layer, x_BTD, (params.blocks, cache.k, cache.v))
-    return x_BTD, cache_lib.KVCache(k=k, v=v)
-
-
-def prefill_padded(params: Params, cache, tokens_BT, lengths_B, start_B):
+def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B):
     """prefill without validation or bucketing (for use inside compiled code)."""
     count_trace("prefill")
     B, T = tokens_BT.shape
@@ -112,7 +114,7 @@ def prefill_padded(params: Params, cache, tokens_BT, lengths_B, start_B):
     return logits(params, last_B1D)[:, 0], cache
 
 
-def prefill(params: Params, cache, tokens, lengths=None, start=None):
+def prefill(params: Params, cache: KVCache, tokens, lengths=None, start=None):
     """One parallel pass over right-padded prompts; returns (logits [B, V], cache).
 
     tokens [B, T] int32, lengths [B] the real lengths (default T); logits are at each row's
@@ -129,10 +131,11 @@ def prefill(params: Params, cache, tokens, lengths=None, start=None):
 _prefill_jit = jax.jit(prefill_padded)
 
 
-def decode_step(params: Params, cache, token, pos):
+def decode_step(params: Params, cache: KVCache, token, pos):
     """One token per row: token [B] at position pos [B] -> (logits [B, V], cache).
 
     Pure: usable under jax.jit(decode_step, donate_argnames="cache"), lax.scan and vmap.
+    Encoder-decoder models read their cross-attention K/V from the cache, never recomputing it.
     """
     count_trace("decode_step")
     token_B, pos_B = checks.decode_args(params.config, cache, token, pos)

@@ -60,6 +60,28 @@ def capacity_for(config, padded_len: int, max_new_tokens: int, lengths_B, max_le
     return capacity
 
 
+def token_mask(config, ids, name: str):
+    """A [V] bool mask of ids."""
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    if ((ids < 0) | (ids >= config.vocab_size)).any():
+        raise ValueError(f"{name} must hold token ids in [0, {config.vocab_size}), got "
+                         f"{ids[(ids < 0) | (ids >= config.vocab_size)].tolist()}")
+    return jnp.zeros((config.vocab_size,), bool).at[ids].set(True)
+
+
+def encoder_args(config, encoder_inputs, encoder_lengths, batch_size: int):
+    """(inputs, lengths) for generate_loop; token inputs padded to a length bucket."""
+    if not config.is_encoder_decoder and encoder_inputs is None:
+        return None, None
+    inputs, lengths_B = checks.encoder_args(config, encoder_inputs, encoder_lengths, batch_size)
+    if config.encoder.input == "tokens":
+        B, M = inputs.shape
+        lengths_B = jnp.full((B,), M, jnp.int32) if lengths_B is None else lengths_B
+        padded = min(checks.bucket_len(M), config.encoder.max_input_len)
+        inputs = jnp.pad(inputs, ((0, 0), (0, padded - M)))
+    return inputs, lengths_B
+
+
 @struct.dataclass
 class _Decoding:
     cache: KVCache
@@ -70,21 +92,27 @@ class _Decoding:
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token"))
-def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id, *,
-              max_new_tokens: int, capacity: int, on_token=None):
-    """The compiled program behind generate: prefill, then a scan of sample + decode_step."""
+def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id,
+                  suppress_V, begin_suppress_V, encoder_inputs=None, encoder_lengths=None, *,
+                  max_new_tokens: int, capacity: int, on_token=None):
+    """The compiled program behind generate: (encoder and cross K/V,) prefill, then a scan of
+    sample + decode_step."""
     count_trace("generate")
     B, T = tokens_BT.shape
     V = params.config.vocab_size
     rows_B1 = jnp.arange(B)[:, None]
-    logits_BV, cache = prefill_padded(params, init_cache(params, B, capacity), tokens_BT,
-                                      lengths_B, jnp.zeros((B,), jnp.int32))
+    cache = init_cache(params, B, capacity, encoder_inputs=encoder_inputs,
+                       encoder_lengths=encoder_lengths)
+    logits_BV, cache = prefill_padded(params, cache, tokens_BT, lengths_B,
+                                      jnp.zeros((B,), jnp.int32))
     prompt_BT = jnp.where(jnp.arange(T) < lengths_B[:, None], tokens_BT, V)
     seen_BV = jnp.zeros((B, V), bool).at[rows_B1, prompt_BT].set(True, mode="drop")
     state = _Decoding(cache, logits_BV, lengths_B, seen_BV, jnp.zeros((B,), bool))
 
     def step(s: _Decoding, t):
-        token_B = jnp.where(s.done, pad_id, sample(s.logits, sampling, keys_B, t, s.seen))
+        banned_V = suppress_V | (begin_suppress_V & (t == 0))
+        logits_BV = jnp.where(banned_V, -jnp.inf, s.logits)
+        token_B = jnp.where(s.done, pad_id, sample(logits_BV, sampling, keys_B, t, s.seen))
         if on_token is not None:
             io_callback(on_token, None, token_B, ordered=True)
         done_B = s.done | jnp.isin(token_B, eos_E)
@@ -118,14 +146,22 @@ def generate(params, prompts, max_new_tokens: int, **options):
 
 def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, temperature=0.0,
                   top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
-                  eos_id=None, pad_id=None, max_len=None, on_token=None):
+                  eos_id=None, pad_id=None, max_len=None, on_token=None, encoder_inputs=None,
+                  encoder_lengths=None, suppress_ids=None, begin_suppress_ids=None):
     """Validated (args, static kwargs) for generate_loop; lets callers compile ahead of time."""
-    tokens_BT, lengths_B = prepare_prompts(params.config, prompts, lengths)
+    c = params.config
+    tokens_BT, lengths_B = prepare_prompts(c, prompts, lengths)
     B, T = tokens_BT.shape
     capacity = capacity_for(params.config, T, max_new_tokens, lengths_B, max_len)
     sampling = sampling_params(B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                repetition_penalty=repetition_penalty)
     eos_E = jnp.atleast_1d(jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32))
     pad_id = int(eos_E[0]) if pad_id is None and eos_id is not None else (pad_id or 0)
-    args = (params, tokens_BT, lengths_B, sampling, row_keys(key, B), eos_E, jnp.int32(pad_id))
+    suppress_V = token_mask(c, c.suppress_ids if suppress_ids is None else suppress_ids,
+                            "suppress_ids")
+    begin_V = token_mask(c, c.begin_suppress_ids if begin_suppress_ids is None else
+                         begin_suppress_ids, "begin_suppress_ids")
+    encoder = encoder_args(c, encoder_inputs, encoder_lengths, B)
+    args = (params, tokens_BT, lengths_B, sampling, row_keys(key, B), eos_E, jnp.int32(pad_id),
+            suppress_V, begin_V, *encoder)
     return args, dict(max_new_tokens=max_new_tokens, capacity=capacity, on_token=on_token)

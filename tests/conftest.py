@@ -21,6 +21,33 @@ CONFIGS = {
 }
 
 
+ENCDEC_CONFIGS = {
+    "t5_relu": jaxkv.Config.t5(vocab_size=97, d_model=64, n_layers=3, n_encoder_layers=2,
+                               n_heads=4, head_dim=16, d_ff=96, max_source_len=64),
+    "t5_gated_untied": jaxkv.Config.t5(vocab_size=97, d_model=64, n_layers=2, n_encoder_layers=3,
+                                       n_heads=4, head_dim=16, d_ff=96, gated=True,
+                                       tie_embeddings=False, max_source_len=64),
+    "whisper": jaxkv.Config.whisper(vocab_size=97, d_model=64, n_layers=2, n_encoder_layers=2,
+                                    n_heads=4, d_ff=96, n_mels=16, max_source_len=50,
+                                    max_seq_len=64, decoder_start_id=1, eos_id=2),
+}
+
+
+def encoder_inputs(config, key, batch_size):
+    """Random encoder inputs for a config: tokens [B, 24], or log-mel features."""
+    e = config.encoder
+    if e.input == "audio":
+        return jax.random.normal(jax.random.key(key), (batch_size, e.n_mels, e.max_input_len))
+    return random_tokens(key, (batch_size, 24))
+
+
+@pytest.fixture(params=sorted(ENCDEC_CONFIGS))
+def encdec(request):
+    """Random params for each tiny encoder-decoder config (T5 ReLU tied, T5 gated untied,
+    Whisper)."""
+    return jaxkv.init_params(ENCDEC_CONFIGS[request.param], jax.random.key(3))
+
+
 @pytest.fixture(params=sorted(CONFIGS))
 def model(request):
     """Random params for each tiny config (GPT-2; Llama with MHA, GQA, MQA)."""
