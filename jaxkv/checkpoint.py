@@ -99,6 +99,10 @@ def _whisper_config(hf: dict, source: str) -> Config:
             hf["encoder_ffn_dim"] != hf["decoder_ffn_dim"]:
         raise CheckpointError(f"{source}: encoder and decoder must share heads and MLP width")
     generation = hf.get("generation", {})
+
+    def ids(key):  # ids past the vocabulary (transformers' defaults) can never be sampled anyway
+        return tuple(i for i in generation.get(key) or hf.get(key) or () if i < hf["vocab_size"])
+
     return Config.whisper(
         vocab_size=hf["vocab_size"], d_model=hf["d_model"], n_layers=hf["decoder_layers"],
         n_encoder_layers=hf["encoder_layers"], n_heads=hf["decoder_attention_heads"],
@@ -107,9 +111,7 @@ def _whisper_config(hf: dict, source: str) -> Config:
         max_seq_len=hf.get("max_target_positions", 448),
         activation=_activation(hf.get("activation_function", "gelu"), source),
         decoder_start_id=hf.get("decoder_start_token_id"), eos_id=_single_id(hf.get("eos_token_id")),
-        suppress_ids=tuple(generation.get("suppress_tokens") or hf.get("suppress_tokens") or ()),
-        begin_suppress_ids=tuple(generation.get("begin_suppress_tokens")
-                                 or hf.get("begin_suppress_tokens") or ()))
+        suppress_ids=ids("suppress_tokens"), begin_suppress_ids=ids("begin_suppress_tokens"))
 
 
 HF_ARCHITECTURES = {

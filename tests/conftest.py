@@ -87,6 +87,19 @@ def hf_configs():
             intermediate_size=96, max_position_embeddings=128, tie_word_embeddings=True,
             attention_bias=True, mlp_bias=True, rope_theta=500000.0, **HF_TINY),
             transformers.LlamaForCausalLM),
+        "t5_relu": (transformers.T5Config(
+            d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=3, num_heads=4,
+            feed_forward_proj="relu", decoder_start_token_id=0, **HF_TINY),
+            transformers.T5ForConditionalGeneration),
+        "t5_gated": (transformers.T5Config(
+            d_model=64, d_kv=16, d_ff=96, num_layers=3, num_decoder_layers=2, num_heads=4,
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+            decoder_start_token_id=0, **HF_TINY), transformers.T5ForConditionalGeneration),
+        "whisper": (transformers.WhisperConfig(
+            d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, num_mel_bins=16,
+            max_source_positions=50, max_target_positions=64, decoder_start_token_id=1,
+            **HF_TINY), transformers.WhisperForConditionalGeneration),
     }
 
 
