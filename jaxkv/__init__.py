@@ -8,14 +8,20 @@ from jaxkv.convert import CheckpointError
 from jaxkv.decoder import decode_step, extend, forward, prefill
 from jaxkv.encoder import encode
 from jaxkv.generate import generate
+from jaxkv.multidecode import (Forest, Prefix, accept, accept_branch, accept_node, beam_search,
+                               build_forest, decode_branches, forest_logits, forest_pass,
+                               generate_branches, make_prefix, score_continuations)
 from jaxkv.params import Params, cast, init_params
 from jaxkv.sampling import SamplingParams, sample, sampling_params
 from jaxkv.tokenizer import apply_chat_template, chat_template, load_tokenizer
 from jaxkv.tracecount import TRACE_COUNTS as trace_counts
 
 __all__ = [
-    "CheckpointError", "Config", "EncoderConfig", "KVCache", "Params", "SamplingParams",
-    "apply_chat_template", "cast", "chat_template", "decode_step", "encode", "extend", "forward",
-    "generate", "init_cache", "init_params", "load", "load_audio", "load_tokenizer", "log_mel",
-    "prefill", "sample", "sampling_params", "save", "trace_counts",
+    "CheckpointError", "Config", "EncoderConfig", "Forest", "KVCache", "Params", "Prefix",
+    "SamplingParams", "accept", "accept_branch", "accept_node", "apply_chat_template",
+    "beam_search", "build_forest", "cast", "chat_template", "decode_branches", "decode_step",
+    "encode", "extend", "forest_logits", "forest_pass", "forward", "generate",
+    "generate_branches", "init_cache", "init_params", "load", "load_audio", "load_tokenizer",
+    "log_mel", "make_prefix", "prefill", "sample", "sampling_params", "save",
+    "score_continuations", "trace_counts",
 ]

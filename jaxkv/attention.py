@@ -1,16 +1,17 @@
-"""Grouped-query attention over an explicit mask, and T5's relative position bias."""
+"""Grouped-query attention over an explicit mask, split attention merged by log-sum-exp, and
+T5's relative position bias."""
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 
-def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float, bias_BNTS=None):
-    """Softmax attention; G = N // K query heads share each kv head.
+def attend_parts(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float, bias_BNTS=None):
+    """Attention output [B, T, N, H] (float32) and its log-sum-exp [B, T, N].
 
-    mask_BTS[b, t, s] says whether query t of row b may read key s; bias_BNTS (optional) is
-    added to the scores. A query with no visible key gets zeros, never NaN.
+    G = N // K query heads share each kv head. mask_BTS[b, t, s] says whether query t of row b
+    may read key s; bias_BNTS (optional, batch and T may be 1) is added to the scores. A query
+    with no visible key gets output 0 and lse -inf, never NaN.
     """
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
@@ -18,13 +19,47 @@ def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float, bias_BNTS=None):
     scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
                               preferred_element_type=jnp.float32) * scale
     if bias_BNTS is not None:
-        b, _, t, s = bias_BNTS.shape  # b and t may be 1 (broadcast)
+        b, _, t, s = bias_BNTS.shape
         scores_BKGTS = scores_BKGTS + bias_BNTS.reshape(b, K, N // K, t, s)
     mask_B11TS = mask_BTS[:, None, None]
-    scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, jnp.finfo(jnp.float32).min)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1) * mask_B11TS
-    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH)
-    return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+    scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, -jnp.inf)
+    max_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)
+    max_BKGT1 = jnp.where(jnp.isfinite(max_BKGT1), max_BKGT1, 0.0)
+    weights_BKGTS = jnp.exp(scores_BKGTS - max_BKGT1)
+    total_BKGT = weights_BKGTS.sum(-1)
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+                           preferred_element_type=jnp.float32)
+    total_BTKG = jnp.moveaxis(total_BKGT, 3, 1)
+    out_BTKGH = out_BTKGH / jnp.maximum(total_BTKG, jnp.finfo(jnp.float32).tiny)[..., None]
+    lse_BTKG = jnp.moveaxis(max_BKGT1[..., 0], 3, 1) + jnp.log(total_BTKG)
+    return out_BTKGH.reshape(B, T, N, H), lse_BTKG.reshape(B, T, N)
+
+
+def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float, bias_BNTS=None):
+    """Softmax attention [B, T, N, H] in q's dtype (see attend_parts)."""
+    out_BTNH, _ = attend_parts(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale, bias_BNTS)
+    return out_BTNH.astype(q_BTNH.dtype)
+
+
+def attend_shared(q_BTNH, k_PSKH, v_PSKH, mask_PS, scale: float):
+    """attend_parts against keys shared by groups of rows: rows [r*R, (r+1)*R) read prefix row r
+    of P = B / R rows. The shared keys are read once per group, not once per row."""
+    B, T, N, H = q_BTNH.shape
+    P, S = mask_PS.shape
+    q_PRNH = q_BTNH.reshape(P, (B // P) * T, N, H)
+    mask_PRS = jnp.broadcast_to(mask_PS[:, None, :], (P, (B // P) * T, S))
+    out, lse = attend_parts(q_PRNH, k_PSKH, v_PSKH, mask_PRS, scale)
+    return out.reshape(B, T, N, H), lse.reshape(B, T, N)
+
+
+def merge_parts(out1_BTNH, lse1_BTN, out2_BTNH, lse2_BTN):
+    """Softmax attention over the union of two disjoint key sets, from each set's part."""
+    top_BTN = jnp.maximum(lse1_BTN, lse2_BTN)
+    top_BTN = jnp.where(jnp.isfinite(top_BTN), top_BTN, 0.0)
+    w1_BTN, w2_BTN = jnp.exp(lse1_BTN - top_BTN), jnp.exp(lse2_BTN - top_BTN)
+    total_BTN = jnp.maximum(w1_BTN + w2_BTN, jnp.finfo(jnp.float32).tiny)
+    return (out1_BTNH * (w1_BTN / total_BTN)[..., None] +
+            out2_BTNH * (w2_BTN / total_BTN)[..., None])
 
 
 def causal_mask(pos_BT, num_slots: int):

@@ -7,7 +7,7 @@ the stacked Blocks / Cross parameters.
 import jax.numpy as jnp
 
 from jaxkv import cache as cache_lib
-from jaxkv.attention import attend
+from jaxkv.attention import attend, attend_parts, attend_shared, merge_parts
 from jaxkv.layers import mlp, norm, rope
 
 
@@ -37,11 +37,13 @@ def project_out(b, o_BTNH):
     return out_BTD if b.bo is None else out_BTD + b.bo
 
 
-def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None):
+def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, prefix=None):
     """Self-attention sublayer -> (x_BTD, (k_BSKH, v_BSKH)).
 
     kv is None when the keys are this call's tokens (uncached), or (k_BSKH, v_BSKH, slot_BT):
     this call's keys are written at slot_BT and the whole cache is attended (masked).
+    prefix, optional, is (k_PSKH, v_PSKH, mask_PS): keys shared by groups of B / P rows (a common
+    prompt), attended once per group and merged with the rows' own keys by log-sum-exp.
     """
     h_BTD = norm(x_BTD, b.attn_norm, config.norm, config.norm_eps)
     q_BTNH = project_q(config, b, h_BTD, pos_BT)
@@ -50,8 +52,15 @@ def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None):
         k_cache_BSKH, v_cache_BSKH, slot_BT = kv
         k_BSKH = cache_lib.write(k_cache_BSKH, k_BSKH, slot_BT)
         v_BSKH = cache_lib.write(v_cache_BSKH, v_BSKH, slot_BT)
-    o_BTNH = attend(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), mask_BTS,
-                    config.attn_scale, bias_BNTS)
+    k_own, v_own = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
+    if prefix is None:
+        o_BTNH = attend(q_BTNH, k_own, v_own, mask_BTS, config.attn_scale, bias_BNTS)
+    else:
+        k_PSKH, v_PSKH, mask_PS = prefix
+        shared = attend_shared(q_BTNH, k_PSKH.astype(q_BTNH.dtype), v_PSKH.astype(q_BTNH.dtype),
+                               mask_PS, config.attn_scale)
+        own = attend_parts(q_BTNH, k_own, v_own, mask_BTS, config.attn_scale, bias_BNTS)
+        o_BTNH = merge_parts(*shared, *own).astype(q_BTNH.dtype)
     return x_BTD + project_out(b, o_BTNH), (k_BSKH, v_BSKH)
 
 

@@ -43,20 +43,25 @@ def self_bias(params: Params, pos_BT, key_pos_BS):
                          params.config.relative_max_distance)
 
 
-def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cross=None):
+def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cross=None,
+           prefix=None):
     """All decoder layers -> (x_BTD, (k, v) [L, B, S, K, H]).
 
     self_kv: None (uncached: keys are this call's tokens) or (k, v [L, B, S, K, H], slot_BT).
     cross: None or (k, v [L, B, M, K, H], mask_BM), the encoder's precomputed keys/values.
+    prefix: None or (k, v [L, P, S', K, H], mask [P, S']), keys shared by groups of rows.
     """
     c = params.config
     k_LBSKH, v_LBSKH, slot_BT = self_kv or (None, None, None)
     cross_k, cross_v, cross_mask_BM = cross or (None, None, None)
+    prefix_k, prefix_v, prefix_mask = prefix or (None, None, None)
 
     def layer(x_BTD, xs):
-        b, k_BSKH, v_BSKH, cb, ck_BMKH, cv_BMKH = xs
+        b, k_BSKH, v_BSKH, cb, ck_BMKH, cv_BMKH, pk_PSKH, pv_PSKH = xs
         kv = None if k_BSKH is None else (k_BSKH, v_BSKH, slot_BT)
-        x_BTD, kv_out = blocks.self_attention(c, b, x_BTD, pos_BT, mask_BTS, bias_BNTS, kv)
+        shared = None if pk_PSKH is None else (pk_PSKH, pv_PSKH, prefix_mask)
+        x_BTD, kv_out = blocks.self_attention(c, b, x_BTD, pos_BT, mask_BTS, bias_BNTS, kv,
+                                              shared)
         if cb is not None:
             x_BTD = blocks.cross_attention(c, cb, x_BTD, ck_BMKH, cv_BMKH, cross_mask_BM)
         return blocks.feed_forward(c, b, x_BTD), kv_out
@@ -64,7 +69,7 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
     # The encoder's K/V projections were applied once, when the cache was filled; the layers
     # get no access to them.
     cross_q = params.cross and params.cross.replace(wk=None, wv=None, bk=None, bv=None)
-    xs = (params.blocks, k_LBSKH, v_LBSKH, cross_q, cross_k, cross_v)
+    xs = (params.blocks, k_LBSKH, v_LBSKH, cross_q, cross_k, cross_v, prefix_k, prefix_v)
     return jax.lax.scan(layer, x_BTD, xs)
 
 
@@ -87,19 +92,22 @@ def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None):
     return logits(params, x_BTD)
 
 
-def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS):
+def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS, prefix=None):
     """The general cached pass: hidden states [B, T, D] and the updated cache.
 
     tokens_BT sit at positions pos_BT (what RoPE / learned positions see) and their K/V are
     stored at cache slots slot_BT; mask_BTS says which cache slots (after the write) each token
     reads. Linear decoding uses slot == pos and a causal mask; forests use other masks.
+    prefix: optional (prefix cache with P rows, mask_PS of its valid slots): keys every group of
+    B / P consecutive rows also reads, stored once (see jaxkv.multidecode).
     """
     x_BTD = embed(params, tokens_BT, pos_BT)
     slots_BS = jnp.arange(cache.capacity)[None, :]  # a linear cache: slot s holds position s
     bias = self_bias(params, pos_BT, slots_BS)
     cross = None if cache.cross_k is None else (cache.cross_k, cache.cross_v, cache.cross_mask)
+    shared = None if prefix is None else (prefix[0].k, prefix[0].v, prefix[1])
     x_BTD, (k, v) = layers(params, x_BTD, pos_BT, mask_BTS, bias, (cache.k, cache.v, slot_BT),
-                           cross)
+                           cross, shared)
     return x_BTD, cache.replace(k=k, v=v)
 
 

@@ -1,0 +1,436 @@
+"""MultiDecode: exact forest decoding over a shared cached prefix.
+
+Tokens may form a forest. Flattened in any topological order, each node sits at the position of
+its depth (plus the prefix length) and attends only to itself, its ancestors and the prefix, so
+one pass gives every node the logits its root-to-node path would get alone. The prefix's K/V are
+computed and stored once; rows that share it read it once per step (attention split in two
+parts, shared prefix and own suffix, merged by log-sum-exp).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxkv import checks
+from jaxkv.cache import KVCache, init_cache
+from jaxkv.decoder import extend, logits, prefill
+from jaxkv.sampling import row_keys, sample, sampling_params
+from jaxkv.tracecount import count_trace
+
+
+# ---- forests ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Forest:
+    """A validated forest in topological order (every parent before its children)."""
+
+    parents: np.ndarray  # [N] int; -1 for a root
+    depth: np.ndarray  # [N] int; 0 for a root
+    mask: np.ndarray  # [N, N] bool; mask[i, j] iff j is i or an ancestor of i
+
+    def path(self, node: int) -> np.ndarray:
+        """Node indices from the root down to node."""
+        return np.flatnonzero(self.mask[node])[np.argsort(self.depth[self.mask[node]])]
+
+
+def build_forest(parents) -> Forest:
+    """Depths and the ancestor mask of a parent array; bad parent arrays are clear errors."""
+    p = np.asarray(parents)
+    if p.ndim != 1 or (p.size and p.dtype.kind not in "iu"):
+        raise ValueError(f"parents must be a 1-D int array, got shape {p.shape} dtype {p.dtype}")
+    N = p.shape[0]
+    for i, parent in enumerate(p.tolist()):
+        if not -1 <= parent < N:
+            raise ValueError(f"parents[{i}] = {parent} is out of range: expected -1 (a root) or "
+                             f"a node index in [0, {N})")
+    for i, parent in enumerate(p.tolist()):
+        if parent >= i:
+            node, seen = i, set()
+            while node != -1 and node not in seen:
+                seen.add(node)
+                node = int(p[node])
+            if node != -1:
+                raise ValueError(f"parents form a cycle through node {node}")
+            raise ValueError(f"parents[{i}] = {parent}: a parent must come before its children "
+                             "(list the nodes in a topological order)")
+    depth = np.zeros(N, np.int32)
+    mask = np.eye(N, dtype=bool)
+    for i, parent in enumerate(p.tolist()):
+        if parent >= 0:
+            depth[i] = depth[parent] + 1
+            mask[i] |= mask[parent]
+    return Forest(p.astype(np.int32), depth, mask)
+
+
+# ---- the shared prefix --------------------------------------------------------------------
+
+@struct.dataclass
+class Prefix:
+    """Prompts prefilled once: their K/V are read, never copied, by the rows that share them."""
+
+    cache: KVCache  # [L, P, S, K, H]
+    length: jax.Array  # [P] int32; slots [0, length) hold the prompt
+    logits: jax.Array  # [P, V] float32 at each prompt's last token
+
+    @property
+    def mask(self):
+        """[P, S] bool: the prompt's slots."""
+        return jnp.arange(self.cache.capacity)[None, :] < self.length[:, None]
+
+
+def make_prefix(params, prompts, chunk_size: int | None = None) -> Prefix:
+    """Prefill prompts (one token list, or a list of them) once; chunk_size splits the prefill
+    into several calls, giving the same cache."""
+    _check_model(params)
+    rows = [prompts] if np.ndim(prompts[0]) == 0 else list(prompts)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    if (lengths == 0).any():
+        raise ValueError(f"prefix[{int(np.argmin(lengths))}] is empty: a prefix needs a token")
+    T = int(lengths.max())
+    tokens = np.zeros((len(rows), T), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = r
+    cache = init_cache(params, len(rows), checks.bucket_len(T))
+    chunk = chunk_size or T
+    last = np.zeros((len(rows), params.config.vocab_size), np.float32)
+    for start in range(0, T, chunk):
+        piece = np.clip(lengths - start, 1, chunk)  # rows already done write masked padding
+        step_logits, cache = prefill(params, cache, tokens[:, start:start + chunk], piece,
+                                     np.full(len(rows), start, np.int32))
+        ends_here = (lengths > start) & (lengths <= start + chunk)
+        last[ends_here] = np.asarray(step_logits)[ends_here]
+    return Prefix(cache, jnp.asarray(lengths), jnp.asarray(last))
+
+
+def _check_model(params):
+    c = params.config
+    if c.is_encoder_decoder or c.position == "relative":
+        raise ValueError("MultiDecode supports decoder-only models with RoPE or learned positions")
+
+
+def _check_positions(params, prefix: Prefix, longest: int):
+    c = params.config
+    need = int(np.max(np.asarray(prefix.length))) + longest
+    if c.position == "learned" and need > c.max_seq_len:
+        raise ValueError(f"prefix + forest need {need} positions; the model has "
+                         f"{c.max_seq_len} learned positions")
+
+
+# ---- one pass over forests ----------------------------------------------------------------
+
+@jax.jit
+def _forest_pass(params, prefix: Prefix, tokens_BN, depth_BN, mask_BNN):
+    """Logits [B, N, V] of every node, and the nodes' own cache (node i at slot i)."""
+    count_trace("forest_pass")
+    B, N = tokens_BN.shape
+    pos_BN = prefix.length[:, None] + depth_BN
+    slot_BN = jnp.broadcast_to(jnp.arange(N), (B, N))
+    x_BND, cache = extend(params, init_cache(params, B, N), tokens_BN, pos_BN, slot_BN,
+                          mask_BNN, prefix=(prefix.cache, prefix.mask))
+    return logits(params, x_BND), cache
+
+
+def forest_pass(params, tokens, parents, prefix: Prefix):
+    """(logits [B, N, V], node cache, forests) for B forests, each hanging off its own prefix row
+    (or all off one). tokens / parents: lists of 1-D arrays. Node counts are padded to a bucket
+    with lone roots that no real node reads."""
+    forests = [build_forest(p) for p in parents]
+    for b, (t, f) in enumerate(zip(tokens, forests)):
+        if np.shape(t) != f.parents.shape:
+            raise ValueError(f"tokens[{b}] has shape {np.shape(t)}, parents[{b}] "
+                             f"{f.parents.shape}: one token per node")
+        if f.parents.size == 0:
+            raise ValueError(f"forest {b} is empty")
+    N = checks.bucket_len(max(f.parents.size for f in forests))
+    B = len(forests)
+    tokens_BN, depth_BN = np.zeros((B, N), np.int32), np.zeros((B, N), np.int32)
+    mask_BNN = np.broadcast_to(np.eye(N, dtype=bool), (B, N, N)).copy()
+    for b, (t, f) in enumerate(zip(tokens, forests)):
+        n = f.parents.size
+        tokens_BN[b, :n], depth_BN[b, :n], mask_BNN[b, :n, :n] = t, f.depth, f.mask
+    checks.token_range(params.config, tokens_BN, "tokens")
+    _check_positions(params, prefix, int(depth_BN.max()) + 1)
+    if prefix.length.shape[0] not in (1, B):
+        raise ValueError(f"prefix has {prefix.length.shape[0]} rows; expected 1 or {B}")
+    logits_BNV, cache = _forest_pass(params, prefix, jnp.asarray(tokens_BN),
+                                     jnp.asarray(depth_BN), jnp.asarray(mask_BNN))
+    return logits_BNV, cache, forests
+
+
+def _empty_prefix(params, rows: int) -> Prefix:
+    """A prefix of length 0 (forests that hang off nothing)."""
+    return Prefix(init_cache(params, rows, 1), jnp.zeros((rows,), jnp.int32),
+                  jnp.zeros((rows, params.config.vocab_size), jnp.float32))
+
+
+def forest_logits(params, tokens, parents, *, prefix=None):
+    """Next-token logits of every node of a forest, each as if its root-to-node path ran alone.
+
+    tokens [N], parents [N] (-1 for a root), in any topological order; prefix: a token list the
+    forest hangs off (its K/V computed once), or a Prefix. Batched form: tokens and parents as
+    lists of 1-D arrays (ragged; prefix one list per forest or one for all) -> [B, max N, V].
+    """
+    _check_model(params)
+    batched = isinstance(tokens, (list, tuple)) and len(tokens) and np.ndim(tokens[0]) == 1
+    token_rows, parent_rows = (tokens, parents) if batched else ([tokens], [parents])
+    if prefix is None:
+        prefix = _empty_prefix(params, 1)
+    elif not isinstance(prefix, Prefix):
+        prefix = make_prefix(params, prefix)
+    logits_BNV, _, forests = forest_pass(params, token_rows, parent_rows, prefix)
+    n = max(f.parents.size for f in forests)
+    return logits_BNV[:, :n] if batched else logits_BNV[0, :n]
+
+
+# ---- scoring continuations ----------------------------------------------------------------
+
+def trie(candidates):
+    """A forest sharing candidates' common beginnings: (tokens, parents, path of each)."""
+    tokens, parents, paths, index = [], [], [], {}
+    for c, cand in enumerate(candidates):
+        if len(cand) == 0:
+            raise ValueError(f"candidates[{c}] is empty")
+        node, path = -1, []
+        for token in np.asarray(cand).tolist():
+            key = (node, token)
+            if key not in index:
+                index[key] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+            node = index[key]
+            path.append(node)
+        paths.append(path)
+    return np.array(tokens, np.int32), np.array(parents, np.int32), paths
+
+
+def score_continuations(params, context, candidates):
+    """Total log-probability [C] of each candidate continuation given the context.
+
+    One pass: the context is prefilled once and the candidates form a trie hanging off it.
+    """
+    if len(candidates) == 0:
+        raise ValueError("candidates is empty")
+    prefix = make_prefix(params, context)
+    tokens, parents, paths = trie(candidates)
+    logits_BNV, _, _ = forest_pass(params, [tokens], [parents], prefix)
+    logp_NV = jax.nn.log_softmax(logits_BNV[0], axis=-1)
+    first_V = jax.nn.log_softmax(prefix.logits[0])
+    scores = []
+    for path in paths:
+        total = first_V[tokens[path[0]]]
+        for prev, node in zip(path[:-1], path[1:]):
+            total = total + logp_NV[prev, tokens[node]]
+        scores.append(total)
+    return jnp.stack(scores)
+
+
+# ---- branches -----------------------------------------------------------------------------
+
+@struct.dataclass
+class Branches:
+    tokens: jax.Array  # [n, T] sampled tokens
+    cache: KVCache  # [L, n, T, K, H]; slot t of row b holds branch b's token t
+    logits: jax.Array  # [n, V] after each branch's last token
+
+
+def branch_step(params, prefix: Prefix, cache, token_n, t):
+    """Feed token_n as every branch's t-th token (position prefix length + t): (logits, cache)."""
+    n = token_n.shape[0]
+    pos_n1 = jnp.broadcast_to(prefix.length[:1, None] + t, (n, 1))
+    mask_n1T = jnp.broadcast_to(jnp.arange(cache.capacity) <= t, (n, 1, cache.capacity))
+    x_n1D, cache = extend(params, cache, token_n[:, None], pos_n1, jnp.full((n, 1), t),
+                          mask_n1T, prefix=(prefix.cache, prefix.mask))
+    return logits(params, x_n1D)[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens",))
+def _decode_branches(params, prefix: Prefix, sampling, keys_n, *, max_new_tokens: int):
+    count_trace("decode_branches")
+    n = keys_n.shape[0]
+    V = params.config.vocab_size
+    logits_nV = jnp.broadcast_to(prefix.logits[0], (n, V))
+    never_seen = jnp.zeros((n, V), bool)
+
+    def step(carry, t):
+        cache, logits_nV = carry
+        token_n = sample(logits_nV, sampling, keys_n, t, never_seen)
+        logits_nV, cache = branch_step(params, prefix, cache, token_n, t)
+        return (cache, logits_nV), token_n
+
+    (cache, logits_nV), tokens_Tn = jax.lax.scan(
+        step, (init_cache(params, n, max_new_tokens), logits_nV), jnp.arange(max_new_tokens))
+    return Branches(tokens_Tn.T, cache, logits_nV)
+
+
+def decode_branches(params, prompt, n_branches: int, max_new_tokens: int, *, temperature=1.0,
+                    top_k=None, top_p=None, min_p=None, key=None) -> tuple[Prefix, Branches]:
+    """n_branches continuations of one prompt; the prompt's K/V are stored once and shared."""
+    if not isinstance(n_branches, int) or n_branches < 1:
+        raise ValueError(f"n_branches must be a positive int, got {n_branches!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    checks.token_range(params.config, np.asarray(prompt), "prompt")
+    prefix = make_prefix(params, list(prompt))
+    _check_positions(params, prefix, max_new_tokens)
+    sampling = sampling_params(n_branches, temperature=temperature, top_k=top_k, top_p=top_p,
+                               min_p=min_p)
+    return prefix, _decode_branches(params, prefix, sampling, row_keys(key, n_branches),
+                                    max_new_tokens=max_new_tokens)
+
+
+def generate_branches(params, prompt, n_branches: int, max_new_tokens: int, *, temperature=1.0,
+                      top_k=None, top_p=None, min_p=None, key=None):
+    """[n_branches, max_new_tokens]: sampled continuations of one prompt sharing its cache.
+
+    Branch b uses key fold_in(key, b) (or key[b] for [n] keys), so it equals
+    generate(params, [prompt], max_new_tokens, key=<that key>[None], ...).
+    """
+    _, branches = decode_branches(params, prompt, n_branches, max_new_tokens,
+                                  temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_p=min_p, key=key)
+    return branches.tokens
+
+
+# ---- accept & compact ---------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def _compact(params, prefix: Prefix, prefix_row, own: KVCache, row, slots_T, *, capacity):
+    cache = init_cache(params, 1, capacity, own.k.dtype)
+    P = min(prefix.cache.capacity, capacity)
+    start = prefix.length[prefix_row]
+    dest_T = start + jnp.arange(slots_T.shape[0])
+
+    def fill(linear, shared, mine):
+        linear = linear.at[:, 0, :P].set(shared[:, prefix_row, :P])  # slots >= length: masked
+        return linear.at[:, 0, dest_T].set(mine[:, row, slots_T], mode="drop")
+
+    return cache.replace(k=fill(cache.k, prefix.cache.k, own.k),
+                         v=fill(cache.v, prefix.cache.v, own.v))
+
+
+def accept(params, prefix: Prefix, own: KVCache, row: int, slots, capacity: int,
+           prefix_row: int = 0):
+    """A linear cache [1, capacity] holding prefix row prefix_row followed by the chosen path:
+    own row `row`, slots `slots` (root first). Returns (cache, next position); ordinary
+    decode_step continues from there."""
+    slots = np.asarray(slots, np.int32)
+    end = int(prefix.length[prefix_row]) + slots.size
+    if end > capacity:
+        raise ValueError(f"capacity {capacity} is too small for prefix + path ({end} slots)")
+    return _compact(params, prefix, prefix_row, own, row, jnp.asarray(slots),
+                    capacity=capacity), end
+
+
+def accept_branch(params, prefix: Prefix, branches: Branches, b: int, capacity: int):
+    """Accept branch b of decode_branches: (linear cache, next position)."""
+    T = branches.tokens.shape[1]
+    return accept(params, prefix, branches.cache, b, np.arange(T), capacity)
+
+
+def accept_node(params, prefix: Prefix, node_cache: KVCache, forest: Forest, node: int,
+                capacity: int, row: int = 0):
+    """Accept the root-to-node path of a forest_pass: (linear cache, next position)."""
+    return accept(params, prefix, node_cache, row, forest.path(node), capacity,
+                  prefix_row=row if prefix.length.shape[0] > 1 else 0)
+
+
+# ---- beam search --------------------------------------------------------------------------
+
+NEG = -1.0e9  # Hugging Face's "impossible" score, kept so that results match its beam search
+
+
+@struct.dataclass
+class _Beams:
+    cache: KVCache  # [L, nb, T, K, H]: each running beam's own tokens (the prompt is shared)
+    logits: jax.Array  # [nb, V] after each running beam's last token
+    running: jax.Array  # [nb, T] running beams' tokens
+    running_score: jax.Array  # [nb] sum of log-probs
+    best: jax.Array  # [nb, T] finished hypotheses, best first
+    best_score: jax.Array  # [nb] length-penalized; NEG where none
+    best_length: jax.Array  # [nb]
+    finished: jax.Array  # [nb] bool
+    improvable: jax.Array  # [] bool: can a running beam still beat the worst finished one
+    stopped: jax.Array  # [] bool
+
+
+def _beam_step(params, prefix, eos_E, length_penalty, s: _Beams, t):
+    """One step of Hugging Face's beam search (transformers 5, early_stopping=False)."""
+    nb, T = s.running.shape
+    V = s.logits.shape[-1]
+    K = max(2, 1 + eos_E.shape[0]) * nb
+    logp_nV = jax.nn.log_softmax(s.logits, axis=-1) + s.running_score[:, None]
+    vals_K, flat_K = jax.lax.top_k(logp_nV.reshape(-1), K)
+    beam_K, token_K = flat_K // V, (flat_K % V).astype(jnp.int32)
+    seq_KT = s.running[beam_K].at[:, t].set(token_K)
+    hits_K = jnp.isin(token_K, eos_E) | (t == T - 1)
+    # Running beams: the best nb candidates that did not just end.
+    live_K = vals_K + hits_K * NEG
+    _, keep = jax.lax.top_k(live_K, nb)
+    # Finished hypotheses: the candidates among the top nb that just ended.
+    ended_K = hits_K & (jnp.arange(K) < nb)
+    final_K = vals_K / ((t + 1.0) ** length_penalty) + (~s.improvable) * NEG + (~ended_K) * NEG
+    merged = jnp.concatenate([s.best_score, final_K])
+    _, top = jax.lax.top_k(merged, nb)
+    best = jnp.concatenate([s.best, seq_KT])[top]
+    best_score = merged[top]
+    best_length = jnp.concatenate([s.best_length, jnp.full((K,), t + 1, jnp.int32)])[top]
+    finished = jnp.concatenate([s.finished, ended_K])[top]
+    running_score = live_K[keep]
+    worst_n = jnp.where(finished, best_score.min(), NEG)
+    improvable = s.improvable & jnp.any(running_score[0] / ((t + 1.0) ** length_penalty)
+                                        > worst_n)
+    stopped = ~improvable | jnp.all(hits_K)
+    cache = jax.tree.map(lambda x: x[:, beam_K[keep]], s.cache)
+    logits_nV, cache = jax.lax.cond(
+        stopped, lambda: (s.logits, cache),
+        lambda: branch_step(params, prefix, cache, token_K[keep], t))
+    return _Beams(cache, logits_nV, seq_KT[keep], running_score, best, best_score, best_length,
+                  finished, improvable, stopped)
+
+
+@functools.partial(jax.jit, static_argnames=("beam_size", "max_new_tokens"))
+def _beam_search(params, prefix: Prefix, eos_E, length_penalty, *, beam_size, max_new_tokens):
+    count_trace("beam_search")
+    nb, T, V = beam_size, max_new_tokens, params.config.vocab_size
+    state = _Beams(
+        cache=init_cache(params, nb, T), logits=jnp.broadcast_to(prefix.logits[0], (nb, V)),
+        running=jnp.zeros((nb, T), jnp.int32),
+        running_score=jnp.full((nb,), NEG).at[0].set(0.0),  # one live beam at the start
+        best=jnp.zeros((nb, T), jnp.int32), best_score=jnp.full((nb,), NEG),
+        best_length=jnp.zeros((nb,), jnp.int32), finished=jnp.zeros((nb,), bool),
+        improvable=jnp.array(True), stopped=jnp.array(False))
+
+    def step(s, t):
+        new = _beam_step(params, prefix, eos_E, length_penalty, s, t)
+        return jax.tree.map(lambda old, x: jnp.where(s.stopped, old, x), s, new), None
+
+    s, _ = jax.lax.scan(step, state, jnp.arange(T))
+    return s.best, s.best_score, s.best_length
+
+
+def beam_search(params, prompt, beam_size: int, max_new_tokens: int, *, length_penalty=1.0,
+                eos_id=None, pad_id=None):
+    """Beam search over one prompt, as Hugging Face's generate(num_beams=beam_size,
+    early_stopping=False): (tokens [beam_size, max_new_tokens], scores [beam_size], lengths
+    [beam_size]), best first. Scores are summed log-probs / length ** length_penalty (length in
+    generated tokens, EOS included); tokens past a length are pad_id (default: the EOS id).
+    The prompt's K/V are stored once; each step reorders only the beams' own tokens' K/V.
+    """
+    for name, value in (("beam_size", beam_size), ("max_new_tokens", max_new_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if beam_size * 2 > params.config.vocab_size:
+        raise ValueError(f"beam_size={beam_size} needs a vocabulary of at least {2 * beam_size}")
+    checks.token_range(params.config, np.asarray(prompt), "prompt")
+    prefix = make_prefix(params, list(prompt))
+    _check_positions(params, prefix, max_new_tokens)
+    eos_E = jnp.atleast_1d(jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32))
+    tokens, scores, lengths = _beam_search(params, prefix, eos_E, jnp.float32(length_penalty),
+                                           beam_size=beam_size, max_new_tokens=max_new_tokens)
+    pad = pad_id if pad_id is not None else int(eos_E[0]) if eos_id is not None else 0
+    tokens = jnp.where(jnp.arange(max_new_tokens) < lengths[:, None], tokens, pad)
+    return tokens, scores, lengths
