@@ -12,6 +12,7 @@ from jaxkv import checks
 from jaxkv.cache import KVCache, init_cache
 from jaxkv.decoder import decode_step, prefill_padded
 from jaxkv.sampling import SamplingParams, row_keys, sample, sampling_params
+from jaxkv.sharding import constrain_cache, shard_params, shard_rows
 from jaxkv.tracecount import count_trace
 
 
@@ -91,20 +92,21 @@ class _Decoding:
     done: jax.Array  # [B] bool, the row has emitted EOS
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token"))
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token", "mesh"))
 def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id,
                   suppress_V, begin_suppress_V, encoder_inputs=None, encoder_lengths=None, *,
-                  max_new_tokens: int, capacity: int, on_token=None):
+                  max_new_tokens: int, capacity: int, on_token=None, mesh=None):
     """The compiled program behind generate: (encoder and cross K/V,) prefill, then a scan of
     sample + decode_step."""
     count_trace("generate")
     B, T = tokens_BT.shape
     V = params.config.vocab_size
     rows_B1 = jnp.arange(B)[:, None]
-    cache = init_cache(params, B, capacity, encoder_inputs=encoder_inputs,
-                       encoder_lengths=encoder_lengths)
+    cache = constrain_cache(init_cache(params, B, capacity, encoder_inputs=encoder_inputs,
+                                       encoder_lengths=encoder_lengths), mesh)
     logits_BV, cache = prefill_padded(params, cache, tokens_BT, lengths_B,
                                       jnp.zeros((B,), jnp.int32))
+    cache = constrain_cache(cache, mesh)
     prompt_BT = jnp.where(jnp.arange(T) < lengths_B[:, None], tokens_BT, V)
     seen_BV = jnp.zeros((B, V), bool).at[rows_B1, prompt_BT].set(True, mode="drop")
     state = _Decoding(cache, logits_BV, lengths_B, seen_BV, jnp.zeros((B,), bool))
@@ -120,6 +122,7 @@ def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B
         logits_BV, cache = jax.lax.cond(
             jnp.all(done_B) | (t == max_new_tokens - 1), lambda: (s.logits, s.cache),
             lambda: decode_step(params, s.cache, token_B, s.pos))
+        cache = constrain_cache(cache, mesh)
         seen_BV = s.seen.at[rows_B1[:, 0], token_B].set(True)
         return _Decoding(cache, logits_BV, s.pos + 1, seen_BV, done_B), token_B
 
@@ -138,7 +141,9 @@ def generate(params, prompts, max_new_tokens: int, **options):
     sequences, None meaning off; key: one key (row b uses fold_in(key, b)) or [B] keys;
     eos_id: an id or a list of ids; after a row's EOS its tokens are pad_id (default: the first
     EOS id) and its length counts the EOS; max_len: the cache capacity (default: prompt bucket +
-    max_new_tokens); on_token(token [B]): called from inside the compiled loop at each step.
+    max_new_tokens); on_token(token [B]): called from inside the compiled loop at each step;
+    mesh: a jax.sharding.Mesh with axes ("data", "model") (see jaxkv.sharding.make_mesh): rows
+    are split over "data", heads / MLP width / vocabulary over "model".
     """
     args, static = generate_args(params, prompts, max_new_tokens, **options)
     return generate_loop(*args, **static)
@@ -147,7 +152,7 @@ def generate(params, prompts, max_new_tokens: int, **options):
 def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, temperature=0.0,
                   top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                   eos_id=None, pad_id=None, max_len=None, on_token=None, encoder_inputs=None,
-                  encoder_lengths=None, suppress_ids=None, begin_suppress_ids=None):
+                  encoder_lengths=None, suppress_ids=None, begin_suppress_ids=None, mesh=None):
     """Validated (args, static kwargs) for generate_loop; lets callers compile ahead of time."""
     c = params.config
     tokens_BT, lengths_B = prepare_prompts(c, prompts, lengths)
@@ -162,6 +167,11 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
     begin_V = token_mask(c, c.begin_suppress_ids if begin_suppress_ids is None else
                          begin_suppress_ids, "begin_suppress_ids")
     encoder = encoder_args(c, encoder_inputs, encoder_lengths, B)
-    args = (params, tokens_BT, lengths_B, sampling, row_keys(key, B), eos_E, jnp.int32(pad_id),
-            suppress_V, begin_V, *encoder)
-    return args, dict(max_new_tokens=max_new_tokens, capacity=capacity, on_token=on_token)
+    rows = (tokens_BT, lengths_B, sampling, row_keys(key, B))
+    if mesh is not None:
+        params = shard_params(params, mesh)
+        rows = jax.tree.map(lambda x: shard_rows(x, mesh), rows)
+        encoder = jax.tree.map(lambda x: shard_rows(x, mesh), encoder)
+    args = (params, *rows, eos_E, jnp.int32(pad_id), suppress_V, begin_V, *encoder)
+    return args, dict(max_new_tokens=max_new_tokens, capacity=capacity, on_token=on_token,
+                      mesh=mesh)

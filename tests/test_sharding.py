@@ -1,0 +1,33 @@
+"""Sharded generate equals unsharded on 2x4 and 8x1 meshes of 8 host devices (a subprocess:
+the device count is fixed when JAX starts)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def results():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_check.py")],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["llama_gqa 2x4", "llama_gqa 8x1", "gpt2 2x4", "gpt2 8x1"])
+def test_sharded_equals_unsharded(results, case):
+    r = results[case]
+    assert r["greedy"] and r["sampled"], r
+    assert r["logit_error"] <= 1e-4, r
+    assert r["devices"] == 8
+
+
+def test_params_and_cache_are_really_split(results):
+    assert "model" in results["llama_gqa 2x4"]["wq_spec"]
+    assert "data" in results["llama_gqa 2x4"]["cache_spec"]
+    assert "data" in results["llama_gqa 8x1"]["cache_spec"]
