@@ -3,20 +3,33 @@ T5's relative position bias."""
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 
-def attend_parts(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float, bias_BNTS=None):
+BLOCK = 256  # key slots per block when attention is bounded by the filled length
+
+
+def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None):
     """Attention output [B, T, N, H] (float32) and its log-sum-exp [B, T, N].
 
-    G = N // K query heads share each kv head. mask_BTS[b, t, s] says whether query t of row b
-    may read key s; bias_BNTS (optional, batch and T may be 1) is added to the scores. A query
-    with no visible key gets output 0 and lse -inf, never NaN.
+    Keys and values are [B, K, S, H]; G = N // K query heads share each kv head. mask_BTS[b, t, s]
+    says whether query t of row b may read key s; bias_BNTS (optional, batch and T may be 1) is
+    added to the scores. kv_len (optional, traced): no query reads a slot >= kv_len, so only
+    the first ceil(kv_len / BLOCK) blocks of keys are visited. A query with no visible key gets
+    output 0 and lse -inf, never NaN.
     """
+    S = k_BKSH.shape[2]
+    if kv_len is None or bias_BNTS is not None or S <= BLOCK:
+        return _attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS)
+    return _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len)
+
+
+def _attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS=None):
     B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
+    K = k_BKSH.shape[1]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
+    scores_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH,
                               preferred_element_type=jnp.float32) * scale
     if bias_BNTS is not None:
         b, _, t, s = bias_BNTS.shape
@@ -27,7 +40,7 @@ def attend_parts(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float, bias_BNTS=None)
     max_BKGT1 = jnp.where(jnp.isfinite(max_BKGT1), max_BKGT1, 0.0)
     weights_BKGTS = jnp.exp(scores_BKGTS - max_BKGT1)
     total_BKGT = weights_BKGTS.sum(-1)
-    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+    out_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", weights_BKGTS.astype(v_BKSH.dtype), v_BKSH,
                            preferred_element_type=jnp.float32)
     total_BTKG = jnp.moveaxis(total_BKGT, 3, 1)
     out_BTKGH = out_BTKGH / jnp.maximum(total_BTKG, jnp.finfo(jnp.float32).tiny)[..., None]
@@ -35,31 +48,56 @@ def attend_parts(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float, bias_BNTS=None)
     return out_BTKGH.reshape(B, T, N, H), lse_BTKG.reshape(B, T, N)
 
 
-def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float, bias_BNTS=None):
+def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len):
+    """Online softmax over BLOCK-slot blocks [0, ceil(kv_len / BLOCK)): shapes stay static,
+    work follows the filled length, not the capacity."""
+    B, T, N, H = q_BTNH.shape
+    S = k_BKSH.shape[2]
+
+    def block(i, carry):
+        # The last block may be shifted left to fit; its slots seen before are masked out.
+        start = jnp.minimum(i * BLOCK, S - BLOCK)
+        slot_S = start + jnp.arange(BLOCK)
+        k_blk = jax.lax.dynamic_slice_in_dim(k_BKSH, start, BLOCK, axis=2)
+        v_blk = jax.lax.dynamic_slice_in_dim(v_BKSH, start, BLOCK, axis=2)
+        mask_blk = jax.lax.dynamic_slice_in_dim(mask_BTS, start, BLOCK, axis=2)
+        mask_blk = mask_blk & (slot_S >= i * BLOCK)
+        part = _attend_dense(q_BTNH, k_blk, v_blk, mask_blk, scale)
+        return merge_parts(*carry, *part)
+
+    empty = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf))
+    n_blocks = (jnp.minimum(kv_len, S) + BLOCK - 1) // BLOCK
+    return jax.lax.fori_loop(0, n_blocks, block, empty)
+
+
+def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None):
     """Softmax attention [B, T, N, H] in q's dtype (see attend_parts)."""
-    out_BTNH, _ = attend_parts(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale, bias_BNTS)
+    out_BTNH, _ = attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len)
     return out_BTNH.astype(q_BTNH.dtype)
 
 
-def attend_shared(q_BTNH, k_PSKH, v_PSKH, mask_PS, scale: float):
+def attend_shared(q_BTNH, k_PKSH, v_PKSH, mask_PS, scale: float, kv_len=None):
     """attend_parts against keys shared by groups of rows: rows [r*R, (r+1)*R) read prefix row r
     of P = B / R rows. The shared keys are read once per group, not once per row."""
     B, T, N, H = q_BTNH.shape
     P, S = mask_PS.shape
     q_PRNH = q_BTNH.reshape(P, (B // P) * T, N, H)
     mask_PRS = jnp.broadcast_to(mask_PS[:, None, :], (P, (B // P) * T, S))
-    out, lse = attend_parts(q_PRNH, k_PSKH, v_PSKH, mask_PRS, scale)
+    out, lse = attend_parts(q_PRNH, k_PKSH, v_PKSH, mask_PRS, scale, kv_len=kv_len)
     return out.reshape(B, T, N, H), lse.reshape(B, T, N)
 
 
 def merge_parts(out1_BTNH, lse1_BTN, out2_BTNH, lse2_BTN):
-    """Softmax attention over the union of two disjoint key sets, from each set's part."""
+    """Softmax attention over the union of two disjoint key sets, from each set's part:
+    (output, log-sum-exp)."""
     top_BTN = jnp.maximum(lse1_BTN, lse2_BTN)
     top_BTN = jnp.where(jnp.isfinite(top_BTN), top_BTN, 0.0)
     w1_BTN, w2_BTN = jnp.exp(lse1_BTN - top_BTN), jnp.exp(lse2_BTN - top_BTN)
-    total_BTN = jnp.maximum(w1_BTN + w2_BTN, jnp.finfo(jnp.float32).tiny)
-    return (out1_BTNH * (w1_BTN / total_BTN)[..., None] +
-            out2_BTNH * (w2_BTN / total_BTN)[..., None])
+    total_BTN = w1_BTN + w2_BTN
+    safe_BTN = jnp.maximum(total_BTN, jnp.finfo(jnp.float32).tiny)
+    out_BTNH = (out1_BTNH * (w1_BTN / safe_BTN)[..., None] +
+                out2_BTNH * (w2_BTN / safe_BTN)[..., None])
+    return out_BTNH, top_BTN + jnp.log(total_BTN)
 
 
 def causal_mask(pos_BT, num_slots: int):

@@ -1,78 +1,82 @@
 """The sublayers every transformer here is built from: self-attention, cross-attention, MLP.
 
-Each takes a pre-norm residual stream x_BTD and returns it updated. `b` is one layer's slice of
-the stacked Blocks / Cross parameters.
+Each takes a pre-norm residual stream x_BTD and returns it updated; `b` is one layer's Block
+(or Cross) parameters.
 """
 
 import jax.numpy as jnp
 
 from jaxkv import cache as cache_lib
 from jaxkv.attention import attend, attend_parts, attend_shared, merge_parts
-from jaxkv.layers import mlp, norm, rope
+from jaxkv.layers import dense, mlp, norm, rope
 
 
-def project_q(config, b, h_BTD, pos_BT=None):
-    """Queries [B, T, N, H] of h_BTD; RoPE is applied when pos_BT is given."""
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, b.wq)
-    if b.bq is not None:
-        q_BTNH = q_BTNH + b.bq
-    if pos_BT is not None and config.position == "rope":
+def project_qkv(config, b, h_BTD, pos_BT):
+    """Queries [B, T, N, H], keys and values [B, T, K, H] from the fused wqkv; RoPE applied."""
+    B, T, _ = h_BTD.shape
+    K, G, H = config.n_kv_heads, config.group_size, config.head_dim
+    y_BTKJH = dense(h_BTD, b.wqkv, b.bqkv).reshape(B, T, K, G + 2, H)
+    q_BTNH = y_BTKJH[:, :, :, :G].reshape(B, T, K * G, H)
+    k_BTKH, v_BTKH = y_BTKJH[:, :, :, G], y_BTKJH[:, :, :, G + 1]
+    if config.position == "rope":
         q_BTNH = rope(q_BTNH, pos_BT, config.rope_theta)
-    return q_BTNH
-
-
-def project_kv(config, b, h_BSD, pos_BS=None):
-    """Keys and values [B, S, K, H] of h_BSD; RoPE is applied when pos_BS is given."""
-    k_BSKH = jnp.einsum("BSD,DKH->BSKH", h_BSD, b.wk)
-    v_BSKH = jnp.einsum("BSD,DKH->BSKH", h_BSD, b.wv)
-    if b.bk is not None:
-        k_BSKH, v_BSKH = k_BSKH + b.bk, v_BSKH + b.bv
-    if pos_BS is not None and config.position == "rope":
-        k_BSKH = rope(k_BSKH, pos_BS, config.rope_theta)
-    return k_BSKH, v_BSKH
+        k_BTKH = rope(k_BTKH, pos_BT, config.rope_theta)
+    return q_BTNH, k_BTKH, v_BTKH
 
 
 def project_out(b, o_BTNH):
-    out_BTD = jnp.einsum("BTNH,NHD->BTD", o_BTNH, b.wo)
-    return out_BTD if b.bo is None else out_BTD + b.bo
+    B, T, N, H = o_BTNH.shape
+    return dense(o_BTNH.reshape(B, T, N * H), b.wo, b.bo)
 
 
-def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, prefix=None):
-    """Self-attention sublayer -> (x_BTD, (k_BSKH, v_BSKH)).
+def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, prefix=None,
+                   kv_len=None):
+    """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)).
 
-    kv is None when the keys are this call's tokens (uncached), or (k_BSKH, v_BSKH, slot_BT):
-    this call's keys are written at slot_BT and the whole cache is attended (masked).
-    prefix, optional, is (k_PSKH, v_PSKH, mask_PS): keys shared by groups of B / P rows (a common
-    prompt), attended once per group and merged with the rows' own keys by log-sum-exp.
+    kv is None when the keys are this call's tokens (uncached), or (k_BKSH, v_BKSH, slot_BT):
+    this call's keys are written at slot_BT and the cache is attended (masked; only slots below
+    kv_len, when given). prefix, optional, is (k_PKSH, v_PKSH, mask_PS, prefix_len): keys shared
+    by groups of B / P rows (a common prompt), attended once per group and merged with the rows'
+    own keys by log-sum-exp.
     """
     h_BTD = norm(x_BTD, b.attn_norm, config.norm, config.norm_eps)
-    q_BTNH = project_q(config, b, h_BTD, pos_BT)
-    k_BSKH, v_BSKH = project_kv(config, b, h_BTD, pos_BT)
-    if kv is not None:
-        k_cache_BSKH, v_cache_BSKH, slot_BT = kv
-        k_BSKH = cache_lib.write(k_cache_BSKH, k_BSKH, slot_BT)
-        v_BSKH = cache_lib.write(v_cache_BSKH, v_BSKH, slot_BT)
-    k_own, v_own = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
-    if prefix is None:
-        o_BTNH = attend(q_BTNH, k_own, v_own, mask_BTS, config.attn_scale, bias_BNTS)
+    q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, h_BTD, pos_BT)
+    if kv is None:
+        k_BKSH, v_BKSH = jnp.swapaxes(k_BTKH, 1, 2), jnp.swapaxes(v_BTKH, 1, 2)
     else:
-        k_PSKH, v_PSKH, mask_PS = prefix
-        shared = attend_shared(q_BTNH, k_PSKH.astype(q_BTNH.dtype), v_PSKH.astype(q_BTNH.dtype),
-                               mask_PS, config.attn_scale)
-        own = attend_parts(q_BTNH, k_own, v_own, mask_BTS, config.attn_scale, bias_BNTS)
-        o_BTNH = merge_parts(*shared, *own).astype(q_BTNH.dtype)
-    return x_BTD + project_out(b, o_BTNH), (k_BSKH, v_BSKH)
+        k_cache, v_cache, slot_BT = kv
+        k_BKSH = cache_lib.write(k_cache, k_BTKH, slot_BT)
+        v_BKSH = cache_lib.write(v_cache, v_BTKH, slot_BT)
+    dtype = q_BTNH.dtype
+    own = (q_BTNH, k_BKSH.astype(dtype), v_BKSH.astype(dtype), mask_BTS, config.attn_scale,
+           bias_BNTS, kv_len)
+    if prefix is None:
+        o_BTNH = attend(*own)
+    else:
+        k_PKSH, v_PKSH, mask_PS, prefix_len = prefix
+        shared = attend_shared(q_BTNH, k_PKSH.astype(dtype), v_PKSH.astype(dtype), mask_PS,
+                               config.attn_scale, prefix_len)
+        o_BTNH = merge_parts(*shared, *attend_parts(*own))[0].astype(dtype)
+    return x_BTD + project_out(b, o_BTNH), (k_BKSH, v_BKSH)
 
 
-def cross_attention(config, c, x_BTD, k_BMKH, v_BMKH, mask_BM):
+def cross_attention(config, c, x_BTD, k_BKMH, v_BKMH, mask_BM):
     """Cross-attention sublayer over precomputed encoder keys/values (no projection of them)."""
+    B, T, _ = x_BTD.shape
     h_BTD = norm(x_BTD, c.norm, config.norm, config.norm_eps)
-    q_BTNH = project_q(config, c, h_BTD)
-    T = x_BTD.shape[1]
+    q_BTNH = dense(h_BTD, c.wq, c.bq).reshape(B, T, config.n_heads, config.head_dim)
     mask_BTM = jnp.broadcast_to(mask_BM[:, None, :], (mask_BM.shape[0], T, mask_BM.shape[1]))
-    o_BTNH = attend(q_BTNH, k_BMKH.astype(q_BTNH.dtype), v_BMKH.astype(q_BTNH.dtype), mask_BTM,
+    o_BTNH = attend(q_BTNH, k_BKMH.astype(q_BTNH.dtype), v_BKMH.astype(q_BTNH.dtype), mask_BTM,
                     config.attn_scale)
     return x_BTD + project_out(c, o_BTNH)
+
+
+def cross_kv(config, c, states_BMD):
+    """One layer's cross-attention keys and values [B, K, M, H] of the encoder states."""
+    B, M, _ = states_BMD.shape
+    y_BMK2H = dense(states_BMD, c.wkv, c.bkv).reshape(B, M, config.n_kv_heads, 2,
+                                                      config.head_dim)
+    return jnp.swapaxes(y_BMK2H[:, :, :, 0], 1, 2), jnp.swapaxes(y_BMK2H[:, :, :, 1], 1, 2)
 
 
 def feed_forward(config, b, x_BTD):

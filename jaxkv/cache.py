@@ -11,19 +11,21 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H]; slot s of row b holds the key of row b's position s
-    v: jax.Array  # [L, B, S, K, H]
-    cross_k: jax.Array | None = None  # [L, B, M, K, H]; encoder-decoder models only
-    cross_v: jax.Array | None = None  # [L, B, M, K, H]
+    """Per layer (separate arrays: see params.py), heads before slots, as attention reads them."""
+
+    k: tuple  # L x [B, K, S, H]; slot s of row b holds the key of row b's position s
+    v: tuple  # L x [B, K, S, H]
+    cross_k: tuple | None = None  # L x [B, K, M, H]; encoder-decoder models only
+    cross_v: tuple | None = None  # L x [B, K, M, H]
     cross_mask: jax.Array | None = None  # [B, M] bool; False at encoder padding
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[2]
 
 
 def init_cache(params, batch_size: int, max_len: int, dtype=None, *, encoder_inputs=None,
@@ -47,18 +49,20 @@ def init_cache(params, batch_size: int, max_len: int, dtype=None, *, encoder_inp
     dtype = jnp.dtype(dtype or params.dtype)
     if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"init_cache: dtype must be float32, bfloat16 or float16, got {dtype}")
-    shape = (c.n_layers, batch_size, max_len, c.n_kv_heads, c.head_dim)
-    cache = KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    shape = (batch_size, c.n_kv_heads, max_len, c.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(c.n_layers))
+    cache = KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(c.n_layers)))
     if c.is_encoder_decoder or encoder_inputs is not None:  # (errors name what is missing)
         cross_k, cross_v, mask_BM = encoder.cross_cache(params, encoder_inputs, encoder_lengths,
                                                         batch_size)
-        cache = cache.replace(cross_k=cross_k.astype(dtype), cross_v=cross_v.astype(dtype),
+        cache = cache.replace(cross_k=tuple(k.astype(dtype) for k in cross_k),
+                              cross_v=tuple(v.astype(dtype) for v in cross_v),
                               cross_mask=mask_BM)
     return cache
 
 
-def write(cache_BSKH, new_BTKH, slot_BT):
+def write(cache_BKSH, new_BTKH, slot_BT):
     """Stores new_BTKH[b, t] at slot slot_BT[b, t] of row b; slots outside [0, S) are dropped."""
-    B = cache_BSKH.shape[0]
-    rows_B1 = jnp.arange(B)[:, None]
-    return cache_BSKH.at[rows_B1, slot_BT].set(new_BTKH.astype(cache_BSKH.dtype), mode="drop")
+    rows_B1 = jnp.arange(cache_BKSH.shape[0])[:, None]
+    # Advanced indices around a slice: the indexed view is [B, T, K, H], like new_BTKH.
+    return cache_BKSH.at[rows_B1, :, slot_BT].set(new_BTKH.astype(cache_BKSH.dtype), mode="drop")

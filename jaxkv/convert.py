@@ -1,11 +1,14 @@
 """Foreign checkpoints -> Params, by declarative name maps with shape-checked reshapes.
 
-A name map sends each of our parameter paths ("blocks.wq") to a source tensor: its name in the
-checkpoint ("{i}" marks a per-layer tensor and is the layer index), the shape it must have
-there, and the reshape into our layout. A missing or misshapen tensor is an error that names it.
+A name map sends each of our parameter names ("blocks.wqkv": the same name for every layer) to
+its sources: a tensor's name in the checkpoint ("{i}" is the layer index), the shape it must
+have there, and the reshape into our layout ([out, in] matrices; see params.py). Fused
+parameters (Q/K/V, gate/up) name several sources and how to join them. A missing or misshapen
+tensor is an error that names it.
 """
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 import jax
@@ -13,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.config import Config
-from jaxkv.params import Params, init_params
+from jaxkv.params import Params, gate_up_rows, init_params, kv_rows, qkv_rows
 
 
 class CheckpointError(ValueError):
@@ -23,22 +26,23 @@ class CheckpointError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Src:
     name: str | None  # tensor name in the checkpoint ("{i}": layer index); None: zeros
-    shape: tuple  # the shape the checkpoint must hold
+    shape: tuple  # the shape the checkpoint must hold (or of the zeros)
     to_ours: Callable = lambda w: w  # reshape into our layout
 
 
-def bias_of(name: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    parts: tuple  # of Src
+    join: Callable  # join(*parts in our layout) -> the parameter
+
+
+def bias_of(name: str | None) -> str | None:
     """The bias beside a weight: 'x.weight' -> 'x.bias', 'x/weight' -> 'x/bias'."""
-    return name[: -len("weight")] + "bias"
+    return None if name is None else name[: -len("weight")] + "bias"
 
 
 def transpose(w):
     return w.T
-
-
-def linear(in_dim, *out_shape):
-    """A [out, in] matrix (torch Linear, GGUF, CTranslate2) -> [in, *out_shape]."""
-    return lambda w: w.T.reshape(in_dim, *out_shape)
 
 
 def rows(j, n, then=lambda w: w):
@@ -52,38 +56,40 @@ def unpermute_rope_rows(w, n_heads: int):
     return w.reshape(n_heads, r // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def attention(c: Config, ours: str, q, k, v, o, biases=("q", "k", "v", "o"), fix=None) -> dict:
-    """ours.{wq, wk, wv, wo} (+ biases) from separate [out, in] tensors named q, k, v, o.
+def qkv(c: Config, ours: str, q: Src, k: Src, v: Src, qb: Src, kb: Src, vb: Src) -> dict:
+    """ours.wqkv / ours.bqkv fused from separate [out, in] Q, K, V sources (and biases)."""
+    join = lambda *p: qkv_rows(c, *p)  # noqa: E731
+    return {f"{ours}.wqkv": Fused((q, k, v), join), f"{ours}.bqkv": Fused((qb, kb, vb), join)}
 
-    biases: which of them have a ".bias" twin (the others get zeros); fix: {"q": f, ...}
-    applied to a tensor (and its bias) before the reshape.
-    """
-    D, N, K, H = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+
+def linear_qkv(c: Config, ours: str, q, k, v, biases="qkv", fix=None) -> dict:
+    """qkv() from separately named [out, in] tensors; `biases` says which have a bias twin."""
+    D, NH, KH = c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     fix = fix or {}
-    heads = {"q": (N, H), "k": (K, H), "v": (K, H)}
-    m = {}
-    for part, name in (("q", q), ("k", k), ("v", v)):
+    src = {}
+    for part, name, n in (("q", q, NH), ("k", k, KH), ("v", v, KH)):
         f = fix.get(part, lambda w: w)
-        m[f"{ours}.w{part}"] = Src(name, (np.prod(heads[part]), D),
-                                   lambda w, f=f, s=heads[part]: linear(D, *s)(f(w)))
-        m[f"{ours}.b{part}"] = Src(bias_of(name) if part in biases else None,
-                                   (np.prod(heads[part]),),
-                                   lambda b, f=f, s=heads[part]: f(b).reshape(s))
-    m[f"{ours}.wo"] = Src(o, (D, N * H), lambda w: w.T.reshape(N, H, D))
-    m[f"{ours}.bo"] = Src(bias_of(o) if "o" in biases else None, (D,))
-    return m
+        src[part] = Src(name, (n, D), f)
+        src[part + "b"] = Src(bias_of(name) if part in biases else None, (n,), f)
+    return qkv(c, ours, src["q"], src["k"], src["v"], src["qb"], src["kb"], src["vb"])
 
 
-def feed_forward(c: Config, ours: str, up, down, gate=None) -> dict:
-    """ours.{w_up, w_down, w_gate} (+ biases) from [out, in] tensors."""
+def out_proj(c: Config, ours: str, name: str, bias=True, to_ours=lambda w: w) -> dict:
+    D = c.d_model
+    return {f"{ours}.wo": Src(name, (D, c.n_heads * c.head_dim), to_ours),
+            f"{ours}.bo": Src(bias_of(name) if bias else None, (D,))}
+
+
+def feed_forward(c: Config, ours: str, up, down, gate=None, to_ours=lambda w: w) -> dict:
+    """ours.w_in (gate and up fused) / w_out (+ biases) from [out, in] tensors."""
     D, F = c.d_model, c.d_ff
-    m = {f"{ours}.w_up": Src(up, (F, D), transpose), f"{ours}.w_down": Src(down, (D, F), transpose),
-         f"{ours}.b_up": Src(bias_of(up), (F,)),
-         f"{ours}.b_down": Src(bias_of(down), (D,))}
     if gate:
-        m[f"{ours}.w_gate"] = Src(gate, (F, D), transpose)
-        m[f"{ours}.b_gate"] = Src(bias_of(gate), (F,))
-    return m
+        w_in = Fused((Src(gate, (F, D)), Src(up, (F, D))), gate_up_rows)
+        b_in = Fused((Src(bias_of(gate), (F,)), Src(bias_of(up), (F,))), gate_up_rows)
+    else:
+        w_in, b_in = Src(up, (F, D)), Src(bias_of(up), (F,))
+    return {f"{ours}.w_in": w_in, f"{ours}.b_in": b_in, f"{ours}.w_out": Src(down, (D, F)),
+            f"{ours}.b_out": Src(bias_of(down), (D,))}
 
 
 def norm(c: Config, ours: str, scale: str, bias: str | None = None) -> dict:
@@ -99,9 +105,10 @@ def llama_map(c: Config, names: dict, unpermute_qk=False) -> dict:
                "k": lambda w: unpermute_rope_rows(w, c.n_kv_heads)}
     return {
         "embed": Src(names["embed"], (c.vocab_size, c.d_model)),
-        "lm_head": Src(names["lm_head"], (c.vocab_size, c.d_model), transpose),
+        "lm_head": Src(names["lm_head"], (c.vocab_size, c.d_model)),
         **norm(c, "blocks.attn_norm", names["attn_norm"]),
-        **attention(c, "blocks", names["q"], names["k"], names["v"], names["o"], fix=fix),
+        **linear_qkv(c, "blocks", names["q"], names["k"], names["v"], fix=fix),
+        **out_proj(c, "blocks", names["o"]),
         **norm(c, "blocks.mlp_norm", names["mlp_norm"]),
         **feed_forward(c, "blocks", names["up"], names["down"], names["gate"]),
         **norm(c, "final_norm", names["final_norm"]),
@@ -141,29 +148,22 @@ GGUF_LLAMA_NAMES = {
 
 def gpt2_map(c: Config, prefix: str = "transformer.") -> dict:
     """GPT-2 map. Its Conv1D weights are stored [in, out]; c_attn fuses Q, K and V."""
-    D, N, H, F, V = c.d_model, c.n_heads, c.head_dim, c.d_ff, c.vocab_size
+    D, F = c.d_model, c.d_ff
     h = prefix + "h.{i}."
-
-    def part(j, shape):  # the j-th of c_attn's three [.., D] blocks
-        return lambda w: w[..., j * D:(j + 1) * D].reshape(*w.shape[:-1], *shape)
-
+    w, b = h + "attn.c_attn.weight", h + "attn.c_attn.bias"
     return {
-        "embed": Src(prefix + "wte.weight", (V, D)),
+        "embed": Src(prefix + "wte.weight", (c.vocab_size, D)),
         "pos_embed": Src(prefix + "wpe.weight", (c.max_seq_len, D)),
         **norm(c, "blocks.attn_norm", h + "ln_1.weight"),
-        "blocks.wq": Src(h + "attn.c_attn.weight", (D, 3 * D), part(0, (N, H))),
-        "blocks.wk": Src(h + "attn.c_attn.weight", (D, 3 * D), part(1, (N, H))),
-        "blocks.wv": Src(h + "attn.c_attn.weight", (D, 3 * D), part(2, (N, H))),
-        "blocks.bq": Src(h + "attn.c_attn.bias", (3 * D,), part(0, (N, H))),
-        "blocks.bk": Src(h + "attn.c_attn.bias", (3 * D,), part(1, (N, H))),
-        "blocks.bv": Src(h + "attn.c_attn.bias", (3 * D,), part(2, (N, H))),
-        "blocks.wo": Src(h + "attn.c_proj.weight", (D, D), lambda w: w.reshape(N, H, D)),
-        "blocks.bo": Src(h + "attn.c_proj.bias", (D,)),
+        **qkv(c, "blocks", *(Src(w, (D, 3 * D), lambda x, j=j: x.T[j * D:(j + 1) * D])
+                             for j in range(3)),
+              *(Src(b, (3 * D,), rows(j, D)) for j in range(3))),
+        **out_proj(c, "blocks", h + "attn.c_proj.weight", to_ours=transpose),
         **norm(c, "blocks.mlp_norm", h + "ln_2.weight"),
-        "blocks.w_up": Src(h + "mlp.c_fc.weight", (D, F)),
-        "blocks.b_up": Src(h + "mlp.c_fc.bias", (F,)),
-        "blocks.w_down": Src(h + "mlp.c_proj.weight", (F, D)),
-        "blocks.b_down": Src(h + "mlp.c_proj.bias", (D,)),
+        "blocks.w_in": Src(h + "mlp.c_fc.weight", (D, F), transpose),
+        "blocks.b_in": Src(h + "mlp.c_fc.bias", (F,)),
+        "blocks.w_out": Src(h + "mlp.c_proj.weight", (F, D), transpose),
+        "blocks.b_out": Src(h + "mlp.c_proj.bias", (D,)),
         **norm(c, "final_norm", prefix + "ln_f.weight"),
     }
 
@@ -172,13 +172,13 @@ def t5_map(c: Config) -> dict:
     """Hugging Face T5ForConditionalGeneration."""
     R, N = c.relative_buckets, c.n_heads
 
-    def stack(side, ours, self_layer="SelfAttention"):
+    def stack(side, ours):
         b = f"{side}.block.{{i}}.layer."
         ff = 2 if side == "decoder" else 1
         dense = b + f"{ff}.DenseReluDense."
-        a = b + f"0.{self_layer}."
-        return {**attention(c, ours, a + "q.weight", a + "k.weight", a + "v.weight",
-                            a + "o.weight", biases=()),
+        a = b + "0.SelfAttention."
+        return {**linear_qkv(c, ours, a + "q.weight", a + "k.weight", a + "v.weight", biases=""),
+                **out_proj(c, ours, a + "o.weight", bias=False),
                 **norm(c, f"{ours}.attn_norm", b + "0.layer_norm.weight"),
                 **norm(c, f"{ours}.mlp_norm", b + f"{ff}.layer_norm.weight"),
                 **(feed_forward(c, ours, dense + "wi_1.weight", dense + "wo.weight",
@@ -188,18 +188,31 @@ def t5_map(c: Config) -> dict:
     x = "decoder.block.{i}.layer.1.EncDecAttention."
     return {
         "embed": Src("shared.weight", (c.vocab_size, c.d_model)),
-        "lm_head": Src("lm_head.weight", (c.vocab_size, c.d_model), transpose),
+        "lm_head": Src("lm_head.weight", (c.vocab_size, c.d_model)),
         "rel_bias": Src("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
                         (R, N)),
         "encoder.rel_bias": Src(
             "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", (R, N)),
         **stack("encoder", "encoder.blocks"), **stack("decoder", "blocks"),
-        **attention(c, "cross", x + "q.weight", x + "k.weight", x + "v.weight", x + "o.weight",
-                    biases=()),
+        **cross(c, x + "q.weight", x + "k.weight", x + "v.weight", x + "o.weight", biases=""),
         **norm(c, "cross.norm", "decoder.block.{i}.layer.1.layer_norm.weight"),
         **norm(c, "encoder.final_norm", "encoder.final_layer_norm.weight"),
         **norm(c, "final_norm", "decoder.final_layer_norm.weight"),
     }
+
+
+def cross(c: Config, q, k, v, o, biases="qvo", kv=None) -> dict:
+    """cross.{wq, wkv, wo} (+ biases) from [out, in] tensors; kv: (k Src, v Src, kb, vb)
+    given directly (fused checkpoints) instead of names k and v."""
+    D, NH, KH = c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    if kv is None:
+        kv = (Src(k, (KH, D)), Src(v, (KH, D)),
+              Src(bias_of(k) if "k" in biases else None, (KH,)),
+              Src(bias_of(v) if "v" in biases else None, (KH,)))
+    join = lambda k_, v_: kv_rows(c, k_, v_)  # noqa: E731
+    m = {"cross.wq": Src(q, (NH, D)), "cross.bq": Src(bias_of(q) if "q" in biases else None, (NH,)),
+         "cross.wkv": Fused(kv[:2], join), "cross.bkv": Fused(kv[2:], join)}
+    return {**m, **out_proj(c, "cross", o, bias="o" in biases)}
 
 
 def audio_stem(c: Config, conv1, conv2, positions) -> dict:
@@ -217,8 +230,9 @@ def whisper_map(c: Config) -> dict:
     """Hugging Face WhisperForConditionalGeneration (its k_proj has no bias)."""
     def stack(side, ours):
         b = f"model.{side}.layers.{{i}}."
-        return {**attention(c, ours, *(b + f"self_attn.{p}_proj.weight" for p in "qkv"),
-                            b + "self_attn.out_proj.weight", biases=("q", "v", "o")),
+        return {**linear_qkv(c, ours, *(b + f"self_attn.{p}_proj.weight" for p in "qkv"),
+                             biases="qv"),
+                **out_proj(c, ours, b + "self_attn.out_proj.weight"),
                 **norm(c, f"{ours}.attn_norm", b + "self_attn_layer_norm.weight"),
                 **feed_forward(c, ours, b + "fc1.weight", b + "fc2.weight"),
                 **norm(c, f"{ours}.mlp_norm", b + "final_layer_norm.weight")}
@@ -230,8 +244,7 @@ def whisper_map(c: Config) -> dict:
         **audio_stem(c, "model.encoder.conv1.", "model.encoder.conv2.",
                      "model.encoder.embed_positions.weight"),
         **stack("encoder", "encoder.blocks"), **stack("decoder", "blocks"),
-        **attention(c, "cross", *(x + f"{p}_proj.weight" for p in "qkv"), x + "out_proj.weight",
-                    biases=("q", "v", "o")),
+        **cross(c, *(x + f"{p}_proj.weight" for p in "qkv"), x + "out_proj.weight"),
         **norm(c, "cross.norm", "model.decoder.layers.{i}.encoder_attn_layer_norm.weight"),
         **norm(c, "encoder.final_norm", "model.encoder.layer_norm.weight"),
         **norm(c, "final_norm", "model.decoder.layer_norm.weight"),
@@ -241,46 +254,48 @@ def whisper_map(c: Config) -> dict:
 def ct2_whisper_map(c: Config) -> dict:
     """CTranslate2's WhisperSpec: self-attention Q/K/V fused in linear_0 ([3D, D]); cross
     attention Q in linear_0 and K/V fused in linear_1 ([2D, D]); norms are gamma/beta."""
-    D, N, H = c.d_model, c.n_heads, c.head_dim
+    D = c.d_model
 
     def ln(ours, name):
-        return {f"{ours}.scale": Src(name + "/gamma", (D,)), f"{ours}.bias": Src(name + "/beta", (D,))}
+        return norm(c, ours, name + "/gamma", name + "/beta")
 
-    def fused(ours, name, parts):
-        """ours.w{p} / b{p} for the parts stacked in one [len(parts) * D, D] tensor."""
-        n = len(parts)
-        m = {}
-        for j, p in enumerate(parts):
-            m[f"{ours}.w{p}"] = Src(name + "/weight", (n * D, D), rows(j, D, linear(D, N, H)))
-            m[f"{ours}.b{p}"] = Src(name + "/bias", (n * D,), rows(j, D, lambda b: b.reshape(N, H)))
-        return m
-
-    def out(ours, name):
-        return {f"{ours}.wo": Src(name + "/weight", (D, D), lambda w: w.T.reshape(N, H, D)),
-                f"{ours}.bo": Src(name + "/bias", (D,))}
+    def parts(name, n):
+        """The n [D, D] blocks of a fused [n * D, D] weight, then of its bias."""
+        return (*(Src(name + "/weight", (n * D, D), rows(j, D)) for j in range(n)),
+                *(Src(name + "/bias", (n * D,), rows(j, D)) for j in range(n)))
 
     def stack(side, ours):
         b = f"{side}/layer_{{i}}/"
-        return {**fused(ours, b + "self_attention/linear_0", "qkv"),
-                **out(ours, b + "self_attention/linear_1"),
+        return {**qkv(c, ours, *parts(b + "self_attention/linear_0", 3)),
+                **out_proj(c, ours, b + "self_attention/linear_1/weight"),
                 **ln(f"{ours}.attn_norm", b + "self_attention/layer_norm"),
                 **feed_forward(c, ours, b + "ffn/linear_0/weight", b + "ffn/linear_1/weight"),
                 **ln(f"{ours}.mlp_norm", b + "ffn/layer_norm")}
 
     x = "decoder/layer_{i}/attention/"
+    k, v, kb, vb = parts(x + "linear_1", 2)
     return {
         "embed": Src("decoder/embeddings/weight", (c.vocab_size, D)),
         "pos_embed": Src("decoder/position_encodings/encodings", (c.max_seq_len, D)),
         **audio_stem(c, "encoder/conv1/", "encoder/conv2/", "encoder/position_encodings/encodings"),
         **stack("encoder", "encoder.blocks"), **stack("decoder", "blocks"),
-        **fused("cross", x + "linear_0", "q"), **fused("cross", x + "linear_1", "kv"),
-        **out("cross", x + "linear_2"), **ln("cross.norm", x + "layer_norm"),
+        **cross(c, x + "linear_0/weight", None, None, x + "linear_2/weight", kv=(k, v, kb, vb)),
+        **ln("cross.norm", x + "layer_norm"),
         **ln("encoder.final_norm", "encoder/layer_norm"), **ln("final_norm", "decoder/layer_norm"),
     }
 
 
 def path_name(path) -> str:
-    return ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path)
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+                    for k in path)
+
+
+def split_layer(name: str):
+    """'blocks.3.wqkv' -> ('blocks.wqkv', 3); names without a layer index -> (name, None)."""
+    match = re.search(r"\.(\d+)\.", name)
+    if match is None:
+        return name, None
+    return name[: match.start()] + "." + name[match.end():], int(match.group(1))
 
 
 def build_params(config: Config, name_map: dict, get_tensor: Callable, source: str,
@@ -289,7 +304,9 @@ def build_params(config: Config, name_map: dict, get_tensor: Callable, source: s
     skeleton = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
 
-    def fetch(ours: str, src: Src, layer=None):
+    def fetch(ours: str, src: Src, layer):
+        if src.name is None:
+            return np.zeros(src.shape, np.float32)
         name = src.name.format(i=layer)
         w = get_tensor(name)
         if w is None:
@@ -301,15 +318,12 @@ def build_params(config: Config, name_map: dict, get_tensor: Callable, source: s
 
     out = []
     for path, leaf in leaves:
-        ours = path_name(path)
-        src = name_map[ours]
-        if src.name is None:
-            w = np.zeros(leaf.shape, np.float32)
-        elif "{i}" in src.name:
-            n_layers = config.encoder.n_layers if ours.startswith("encoder.") else config.n_layers
-            w = np.stack([fetch(ours, src, i) for i in range(n_layers)])
+        ours, layer = split_layer(path_name(path))
+        entry = name_map[ours]
+        if isinstance(entry, Fused):
+            w = entry.join(*(fetch(ours, part, layer) for part in entry.parts))
         else:
-            w = fetch(ours, src)
+            w = fetch(ours, entry, layer)
         assert w.shape == leaf.shape, (ours, w.shape, leaf.shape)
         out.append(jnp.asarray(w, dtype))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -30,9 +30,8 @@ def logits(params: Params, x_BTD):
     x_BTD = norm(x_BTD, params.final_norm, c.norm, c.norm_eps)
     if c.rescale_logits:
         x_BTD = x_BTD * c.d_model ** -0.5
-    if params.lm_head is not None:
-        return jnp.einsum("BTD,DV->BTV", x_BTD, params.lm_head, preferred_element_type=jnp.float32)
-    return jnp.einsum("BTD,VD->BTV", x_BTD, params.embed, preferred_element_type=jnp.float32)
+    head_VD = params.embed if params.lm_head is None else params.lm_head
+    return jnp.einsum("BTD,VD->BTV", x_BTD, head_VD, preferred_element_type=jnp.float32)
 
 
 def self_bias(params: Params, pos_BT, key_pos_BS):
@@ -44,33 +43,29 @@ def self_bias(params: Params, pos_BT, key_pos_BS):
 
 
 def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cross=None,
-           prefix=None):
-    """All decoder layers -> (x_BTD, (k, v) [L, B, S, K, H]).
+           prefix=None, kv_len=None):
+    """All decoder layers (an unrolled loop: see params.py) -> (x_BTD, (k, v)): per layer
+    [B, K, S, H] keys and values after this call's writes.
 
-    self_kv: None (uncached: keys are this call's tokens) or (k, v [L, B, S, K, H], slot_BT).
-    cross: None or (k, v [L, B, M, K, H], mask_BM), the encoder's precomputed keys/values.
-    prefix: None or (k, v [L, P, S', K, H], mask [P, S']), keys shared by groups of rows.
+    self_kv: None (uncached: keys are this call's tokens) or (k, v per layer, slot_BT).
+    cross: None or (k, v per layer [B, K, M, H], mask_BM), the encoder's precomputed keys/values.
+    prefix: None or (k, v per layer [P, K, S', H], mask_PS', kv_len'): keys shared by groups
+    of rows. kv_len: no token reads a slot >= kv_len of its own cache (attention skips them).
     """
     c = params.config
-    k_LBSKH, v_LBSKH, slot_BT = self_kv or (None, None, None)
-    cross_k, cross_v, cross_mask_BM = cross or (None, None, None)
-    prefix_k, prefix_v, prefix_mask = prefix or (None, None, None)
-
-    def layer(x_BTD, xs):
-        b, k_BSKH, v_BSKH, cb, ck_BMKH, cv_BMKH, pk_PSKH, pv_PSKH = xs
-        kv = None if k_BSKH is None else (k_BSKH, v_BSKH, slot_BT)
-        shared = None if pk_PSKH is None else (pk_PSKH, pv_PSKH, prefix_mask)
-        x_BTD, kv_out = blocks.self_attention(c, b, x_BTD, pos_BT, mask_BTS, bias_BNTS, kv,
-                                              shared)
-        if cb is not None:
-            x_BTD = blocks.cross_attention(c, cb, x_BTD, ck_BMKH, cv_BMKH, cross_mask_BM)
-        return blocks.feed_forward(c, b, x_BTD), kv_out
-
-    # The encoder's K/V projections were applied once, when the cache was filled; the layers
-    # get no access to them.
-    cross_q = params.cross and params.cross.replace(wk=None, wv=None, bk=None, bv=None)
-    xs = (params.blocks, k_LBSKH, v_LBSKH, cross_q, cross_k, cross_v, prefix_k, prefix_v)
-    return jax.lax.scan(layer, x_BTD, xs)
+    new_k, new_v = [], []
+    for layer, b in enumerate(params.blocks):
+        kv = None if self_kv is None else (self_kv[0][layer], self_kv[1][layer], self_kv[2])
+        shared = None if prefix is None else (prefix[0][layer], prefix[1][layer], *prefix[2:])
+        x_BTD, (k_BKSH, v_BKSH) = blocks.self_attention(c, b, x_BTD, pos_BT, mask_BTS, bias_BNTS,
+                                                        kv, shared, kv_len)
+        if cross is not None:
+            x_BTD = blocks.cross_attention(c, params.cross[layer], x_BTD, cross[0][layer],
+                                           cross[1][layer], cross[2])
+        x_BTD = blocks.feed_forward(c, b, x_BTD)
+        new_k.append(k_BKSH)
+        new_v.append(v_BKSH)
+    return x_BTD, (tuple(new_k), tuple(new_v))
 
 
 def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None):
@@ -92,22 +87,25 @@ def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None):
     return logits(params, x_BTD)
 
 
-def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS, prefix=None):
+def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS, prefix=None,
+           kv_len=None):
     """The general cached pass: hidden states [B, T, D] and the updated cache.
 
     tokens_BT sit at positions pos_BT (what RoPE / learned positions see) and their K/V are
     stored at cache slots slot_BT; mask_BTS says which cache slots (after the write) each token
     reads. Linear decoding uses slot == pos and a causal mask; forests use other masks.
-    prefix: optional (prefix cache with P rows, mask_PS of its valid slots): keys every group of
-    B / P consecutive rows also reads, stored once (see jaxkv.multidecode).
+    kv_len (optional, traced): a bound on the slots any token reads; attention visits only the
+    blocks below it, so a step costs what is filled, not the capacity.
+    prefix: optional (prefix cache with P rows, mask_PS of its valid slots, their kv_len): keys
+    every group of B / P consecutive rows also reads, stored once (see jaxkv.multidecode).
     """
     x_BTD = embed(params, tokens_BT, pos_BT)
     slots_BS = jnp.arange(cache.capacity)[None, :]  # a linear cache: slot s holds position s
     bias = self_bias(params, pos_BT, slots_BS)
     cross = None if cache.cross_k is None else (cache.cross_k, cache.cross_v, cache.cross_mask)
-    shared = None if prefix is None else (prefix[0].k, prefix[0].v, prefix[1])
+    shared = None if prefix is None else (prefix[0].k, prefix[0].v, *prefix[1:])
     x_BTD, (k, v) = layers(params, x_BTD, pos_BT, mask_BTS, bias, (cache.k, cache.v, slot_BT),
-                           cross, shared)
+                           cross, shared, kv_len)
     return x_BTD, cache.replace(k=k, v=v)
 
 
@@ -117,7 +115,8 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
     B, T = tokens_BT.shape
     pos_BT = start_B[:, None] + jnp.arange(T)[None, :]
     mask_BTS = causal_mask(pos_BT, cache.capacity)
-    x_BTD, cache = extend(params, cache, tokens_BT, pos_BT, pos_BT, mask_BTS)
+    x_BTD, cache = extend(params, cache, tokens_BT, pos_BT, pos_BT, mask_BTS,
+                          kv_len=jnp.max(start_B + lengths_B))
     last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
     return logits(params, last_B1D)[:, 0], cache
 
@@ -149,5 +148,5 @@ def decode_step(params: Params, cache: KVCache, token, pos):
     token_B, pos_B = checks.decode_args(params.config, cache, token, pos)
     pos_BT = pos_B[:, None]
     x_BTD, cache = extend(params, cache, token_B[:, None], pos_BT, pos_BT,
-                          causal_mask(pos_BT, cache.capacity))
+                          causal_mask(pos_BT, cache.capacity), kv_len=jnp.max(pos_B) + 1)
     return logits(params, x_BTD)[:, 0], cache

@@ -47,11 +47,9 @@ def _encode(params, inputs, lengths_B):
         bias_BNMM = relative_bias(enc.rel_bias, pos_BM[:1], pos_BM[:1], True,
                                   c.relative_max_distance)
 
-    def layer(x_BMD, b):
+    for b in enc.blocks:
         x_BMD, _ = blocks.self_attention(c, b, x_BMD, pos_BM, mask_BMM, bias_BNMM)
-        return blocks.feed_forward(c, b, x_BMD), None
-
-    x_BMD, _ = jax.lax.scan(layer, x_BMD, enc.blocks)
+        x_BMD = blocks.feed_forward(c, b, x_BMD)
     return norm(x_BMD, enc.final_norm, c.norm, c.norm_eps)
 
 
@@ -62,21 +60,17 @@ def encoder_mask(lengths_B, M: int):
     return jnp.arange(M)[None, :] < lengths_B[:, None]
 
 
-def cross_kv(params, states_BMD):
-    """Every decoder layer's cross-attention keys and values: ([L, B, M, K, H], [L, B, M, K, H])."""
-    return jax.vmap(lambda c: blocks.project_kv(params.config, c, states_BMD))(params.cross)
-
-
 @jax.jit
 def _cross_cache(params, inputs, lengths_B):
     states_BMD = _encode(params, inputs, lengths_B)
-    k_LBMKH, v_LBMKH = cross_kv(params, states_BMD)
+    k, v = zip(*(blocks.cross_kv(params.config, c, states_BMD) for c in params.cross))
     B, M = states_BMD.shape[:2]
-    return k_LBMKH, v_LBMKH, jnp.broadcast_to(encoder_mask(lengths_B, M), (B, M))
+    return tuple(k), tuple(v), jnp.broadcast_to(encoder_mask(lengths_B, M), (B, M))
 
 
 def cross_cache(params, encoder_inputs, encoder_lengths, batch_size: int):
-    """(cross_k, cross_v, cross_mask) for init_cache: encode once, project once."""
+    """(cross_k, cross_v per layer [B, K, M, H], cross_mask [B, M]) for init_cache: encode
+    once, project once."""
     inputs, lengths_B = checks.encoder_args(params.config, encoder_inputs, encoder_lengths,
                                             batch_size)
     return _cross_cache(params, inputs, lengths_B)

@@ -38,17 +38,19 @@ def rope(x_BTNH, pos_BT, theta: float):
     return out.astype(x_BTNH.dtype)
 
 
-def dense(x_BTI, w_IO, b_O=None):
-    y_BTO = jnp.einsum("BTI,IO->BTO", x_BTI, w_IO)
+def dense(x_BTI, w_OI, b_O=None):
+    """x @ w.T (+ b) with w stored [out, in]: a matrix-vector product streams w's rows."""
+    y_BTO = jnp.einsum("BTI,OI->BTO", x_BTI, w_OI)
     return y_BTO if b_O is None else y_BTO + b_O
 
 
 def mlp(x_BTD, b, config: Config):
-    """Feed-forward of one block b: act(x W_up) W_down, or act(x W_gate) * (x W_up) W_down."""
+    """Feed-forward of one block b: act(x W_in) W_out, or act(gate) * up when gated."""
     act = ACTIVATIONS[config.activation]
-    up_BTF = dense(x_BTD, b.w_up, b.b_up)
-    if b.w_gate is not None:
-        up_BTF = act(dense(x_BTD, b.w_gate, b.b_gate)) * up_BTF
+    h_BTF = dense(x_BTD, b.w_in, b.b_in)
+    if config.gated_mlp:
+        gate_up_BTF2 = h_BTF.reshape(*h_BTF.shape[:-1], -1, 2)
+        h_BTF = act(gate_up_BTF2[..., 0]) * gate_up_BTF2[..., 1]
     else:
-        up_BTF = act(up_BTF)
-    return dense(up_BTF, b.w_down, b.b_down)
+        h_BTF = act(h_BTF)
+    return dense(h_BTF, b.w_out, b.b_out)

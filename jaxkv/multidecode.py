@@ -72,7 +72,7 @@ def build_forest(parents) -> Forest:
 class Prefix:
     """Prompts prefilled once: their K/V are read, never copied, by the rows that share them."""
 
-    cache: KVCache  # [L, P, S, K, H]
+    cache: KVCache  # per layer [P, K, S, H]
     length: jax.Array  # [P] int32; slots [0, length) hold the prompt
     logits: jax.Array  # [P, V] float32 at each prompt's last token
 
@@ -80,6 +80,11 @@ class Prefix:
     def mask(self):
         """[P, S] bool: the prompt's slots."""
         return jnp.arange(self.cache.capacity)[None, :] < self.length[:, None]
+
+    @property
+    def shared(self):
+        """What extend(..., prefix=) takes: per-layer K/V, slot mask, a bound on filled slots."""
+        return self.cache, self.mask, jnp.max(self.length)
 
 
 def make_prefix(params, prompts, chunk_size: int | None = None) -> Prefix:
@@ -130,7 +135,7 @@ def _forest_pass(params, prefix: Prefix, tokens_BN, depth_BN, mask_BNN):
     pos_BN = prefix.length[:, None] + depth_BN
     slot_BN = jnp.broadcast_to(jnp.arange(N), (B, N))
     x_BND, cache = extend(params, init_cache(params, B, N), tokens_BN, pos_BN, slot_BN,
-                          mask_BNN, prefix=(prefix.cache, prefix.mask))
+                          mask_BNN, prefix=prefix.shared)
     return logits(params, x_BND), cache
 
 
@@ -233,7 +238,7 @@ def score_continuations(params, context, candidates):
 @struct.dataclass
 class Branches:
     tokens: jax.Array  # [n, T] sampled tokens
-    cache: KVCache  # [L, n, T, K, H]; slot t of row b holds branch b's token t
+    cache: KVCache  # per layer [n, K, T, H]; slot t of row b holds branch b's token t
     logits: jax.Array  # [n, V] after each branch's last token
 
 
@@ -243,7 +248,7 @@ def branch_step(params, prefix: Prefix, cache, token_n, t):
     pos_n1 = jnp.broadcast_to(prefix.length[:1, None] + t, (n, 1))
     mask_n1T = jnp.broadcast_to(jnp.arange(cache.capacity) <= t, (n, 1, cache.capacity))
     x_n1D, cache = extend(params, cache, token_n[:, None], pos_n1, jnp.full((n, 1), t),
-                          mask_n1T, prefix=(prefix.cache, prefix.mask))
+                          mask_n1T, prefix=prefix.shared, kv_len=t + 1)
     return logits(params, x_n1D)[:, 0], cache
 
 
@@ -299,17 +304,18 @@ def generate_branches(params, prompt, n_branches: int, max_new_tokens: int, *, t
 
 @functools.partial(jax.jit, static_argnames=("capacity",))
 def _compact(params, prefix: Prefix, prefix_row, own: KVCache, row, slots_T, *, capacity):
-    cache = init_cache(params, 1, capacity, own.k.dtype)
+    cache = init_cache(params, 1, capacity, own.k[0].dtype)
     P = min(prefix.cache.capacity, capacity)
     start = prefix.length[prefix_row]
     dest_T = start + jnp.arange(slots_T.shape[0])
 
-    def fill(linear, shared, mine):
-        linear = linear.at[:, 0, :P].set(shared[:, prefix_row, :P])  # slots >= length: masked
-        return linear.at[:, 0, dest_T].set(mine[:, row, slots_T], mode="drop")
+    def fill(linear_1KCH, shared_PKSH, mine_nKTH):
+        linear_1KCH = linear_1KCH.at[0, :, :P].set(shared_PKSH[prefix_row, :, :P])  # rest masked
+        # Index arrays around a slice: both sides are viewed [T, K, H].
+        return linear_1KCH.at[0, :, dest_T].set(mine_nKTH[row, :, slots_T], mode="drop")
 
-    return cache.replace(k=fill(cache.k, prefix.cache.k, own.k),
-                         v=fill(cache.v, prefix.cache.v, own.v))
+    return cache.replace(k=tuple(map(fill, cache.k, prefix.cache.k, own.k)),
+                         v=tuple(map(fill, cache.v, prefix.cache.v, own.v)))
 
 
 def accept(params, prefix: Prefix, own: KVCache, row: int, slots, capacity: int,
@@ -345,7 +351,7 @@ NEG = -1.0e9  # Hugging Face's "impossible" score, kept so that results match it
 
 @struct.dataclass
 class _Beams:
-    cache: KVCache  # [L, nb, T, K, H]: each running beam's own tokens (the prompt is shared)
+    cache: KVCache  # per layer [nb, K, T, H]: each running beam's own tokens (the prompt is shared)
     logits: jax.Array  # [nb, V] after each running beam's last token
     running: jax.Array  # [nb, T] running beams' tokens
     running_score: jax.Array  # [nb] sum of log-probs
@@ -384,7 +390,7 @@ def _beam_step(params, prefix, eos_E, length_penalty, s: _Beams, t):
     improvable = s.improvable & jnp.any(running_score[0] / ((t + 1.0) ** length_penalty)
                                         > worst_n)
     stopped = ~improvable | jnp.all(hits_K)
-    cache = jax.tree.map(lambda x: x[:, beam_K[keep]], s.cache)
+    cache = jax.tree.map(lambda x: x[beam_K[keep]], s.cache)  # rows follow their beams
     logits_nV, cache = jax.lax.cond(
         stopped, lambda: (s.logits, cache),
         lambda: branch_step(params, prefix, cache, token_K[keep], t))

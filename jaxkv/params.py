@@ -1,4 +1,13 @@
-"""Parameter pytrees: frozen dataclasses that carry their config as a static field."""
+"""Parameter pytrees: frozen dataclasses that carry their config as a static field.
+
+Layout, decided by measurement on XLA:CPU (scripts/bench_decode.py, README): every matrix is
+stored [out, in] (like torch.nn.Linear), and each layer's weights are separate arrays, run by an
+unrolled loop. A layer slice of stacked [L, ...] weights under lax.scan is copied before every
+matmul (XLA's dot cannot read a dynamic slice in place), and [in, out] matrices or matrices
+with two output axes get transposed; either way a step reads the weights two or three times.
+Q, K and V share one matrix, grouped by kv head: rows [K, G + 2, H] hold each kv head's G query
+heads, then its key, then its value, so splitting rows over devices keeps a group together.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -10,50 +19,42 @@ from jaxkv.config import Config
 
 @struct.dataclass
 class Norm:
-    scale: jax.Array  # [..., D]
-    bias: jax.Array | None = None  # [..., D]; LayerNorm only
+    scale: jax.Array  # [D]
+    bias: jax.Array | None = None  # [D]; LayerNorm only
 
 
 @struct.dataclass
-class Blocks:
-    """Self-attention + MLP blocks; every leaf is stacked on a leading L axis."""
+class Block:
+    """One self-attention + MLP layer."""
 
     attn_norm: Norm
-    wq: jax.Array  # [L, D, N, H]
-    wk: jax.Array  # [L, D, K, H]
-    wv: jax.Array  # [L, D, K, H]
-    wo: jax.Array  # [L, N, H, D]
+    wqkv: jax.Array  # [K * (G + 2) * H, D]: per kv head, G query heads, its key, its value
+    wo: jax.Array  # [D, N * H]
     mlp_norm: Norm
-    w_up: jax.Array  # [L, D, F]
-    w_down: jax.Array  # [L, F, D]
-    w_gate: jax.Array | None = None  # [L, D, F]; gated MLPs (SwiGLU, gated-GELU) only
-    bq: jax.Array | None = None  # [L, N, H]
-    bk: jax.Array | None = None  # [L, K, H]
-    bv: jax.Array | None = None  # [L, K, H]
-    bo: jax.Array | None = None  # [L, D]
-    b_up: jax.Array | None = None  # [L, F]
-    b_gate: jax.Array | None = None  # [L, F]; gated MLPs with biases only
-    b_down: jax.Array | None = None  # [L, D]
+    w_in: jax.Array  # [F, D], or [2 * F, D] gated: rows (gate f, up f) for each f
+    w_out: jax.Array  # [D, F]
+    bqkv: jax.Array | None = None  # [K * (G + 2) * H]
+    bo: jax.Array | None = None  # [D]
+    b_in: jax.Array | None = None  # [F] or [2 * F]
+    b_out: jax.Array | None = None  # [D]
 
 
 @struct.dataclass
 class Cross:
-    """Decoder cross-attention over the encoder states; stacked on L like Blocks."""
+    """One decoder layer's cross-attention over the encoder states."""
 
     norm: Norm
-    wq: jax.Array  # [L, D, N, H]
-    wk: jax.Array  # [L, D, K, H]; applied once per input, when the cache is filled
-    wv: jax.Array  # [L, D, K, H]
-    wo: jax.Array  # [L, N, H, D]
-    bq: jax.Array | None = None  # [L, N, H]
-    bk: jax.Array | None = None  # [L, K, H]
-    bv: jax.Array | None = None  # [L, K, H]
-    bo: jax.Array | None = None  # [L, D]
+    wq: jax.Array  # [N * H, D]
+    wkv: jax.Array  # [K * 2 * H, D]: per kv head, key then value; applied once per input
+    wo: jax.Array  # [D, N * H]
+    bq: jax.Array | None = None  # [N * H]
+    bkv: jax.Array | None = None  # [K * 2 * H]
+    bo: jax.Array | None = None  # [D]
 
 
 @struct.dataclass
 class Encoder:
-    blocks: Blocks  # stacked on the encoder's own L
+    blocks: tuple  # of Block, one per encoder layer
     final_norm: Norm
     rel_bias: jax.Array | None = None  # [R, N]; T5's bidirectional relative position bias
     pos_embed: jax.Array | None = None  # [M, D]; audio encoders' position table
@@ -67,17 +68,37 @@ class Encoder:
 class Params:
     config: Config = struct.field(pytree_node=False)
     embed: jax.Array  # [V, D]; T5 shares it with the encoder
-    blocks: Blocks
+    blocks: tuple  # of Block, one per decoder layer
     final_norm: Norm
     pos_embed: jax.Array | None = None  # [P, D]; learned positions only
     rel_bias: jax.Array | None = None  # [R, N]; T5's causal relative position bias
-    lm_head: jax.Array | None = None  # [D, V]; untied head only
-    cross: Cross | None = None  # encoder-decoder models only
+    lm_head: jax.Array | None = None  # [V, D]; untied head only
+    cross: tuple | None = None  # of Cross, one per decoder layer (encoder-decoder models)
     encoder: Encoder | None = None  # encoder-decoder models only
 
     @property
     def dtype(self):
         return self.embed.dtype
+
+
+def qkv_rows(config: Config, q, k, v):
+    """Fuse Q [N * H, ...], K and V [K * H, ...] (rows = heads x H) into wqkv's row order."""
+    K, G, H = config.n_kv_heads, config.group_size, config.head_dim
+    rest = q.shape[1:]
+    parts = [q.reshape(K, G, H, *rest), k.reshape(K, 1, H, *rest), v.reshape(K, 1, H, *rest)]
+    return np.concatenate(parts, axis=1).reshape(-1, *rest)
+
+
+def kv_rows(config: Config, k, v):
+    """Fuse K and V [K * H, ...] into wkv's row order (per kv head: key, value)."""
+    K, H = config.n_kv_heads, config.head_dim
+    rest = k.shape[1:]
+    return np.stack([k.reshape(K, H, *rest), v.reshape(K, H, *rest)], axis=1).reshape(-1, *rest)
+
+
+def gate_up_rows(gate, up):
+    """Fuse gate and up [F, ...] into w_in's row order (gate f, up f)."""
+    return np.stack([gate, up], axis=1).reshape(-1, *gate.shape[1:])
 
 
 def sinusoids(length: int, dim: int, max_timescale: float = 10000.0):
@@ -102,29 +123,28 @@ class _Init:
     def zeros(self, *shape, when=True):
         return jnp.zeros(shape, self.dtype) if when else None
 
-    def norm(self, *lead):
+    def norm(self):
         D = self.c.d_model
-        return Norm(jnp.ones((*lead, D), self.dtype),
-                    self.zeros(*lead, D, when=self.c.norm == "layernorm"))
+        return Norm(jnp.ones((D,), self.dtype), self.zeros(D, when=self.c.norm == "layernorm"))
 
-    def attention(self, L, bias):
-        c = self.c
-        D, N, K, H = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
-        return dict(wq=self.normal(L, D, N, H), wk=self.normal(L, D, K, H),
-                    wv=self.normal(L, D, K, H), wo=self.normal(L, N, H, D),
-                    bq=self.zeros(L, N, H, when=bias), bk=self.zeros(L, K, H, when=bias),
-                    bv=self.zeros(L, K, H, when=bias), bo=self.zeros(L, D, when=bias))
-
-    def blocks(self, L):
+    def block(self):
         c = self.c
         D, F = c.d_model, c.d_ff
-        return Blocks(
-            attn_norm=self.norm(L), **self.attention(L, c.attn_bias), mlp_norm=self.norm(L),
-            w_up=self.normal(L, D, F), w_down=self.normal(L, F, D),
-            w_gate=self.normal(L, D, F) if c.gated_mlp else None,
-            b_up=self.zeros(L, F, when=c.mlp_bias),
-            b_gate=self.zeros(L, F, when=c.mlp_bias and c.gated_mlp),
-            b_down=self.zeros(L, D, when=c.mlp_bias))
+        qkv = c.n_kv_heads * (c.group_size + 2) * c.head_dim
+        NH = c.n_heads * c.head_dim
+        F_in = 2 * F if c.gated_mlp else F
+        return Block(
+            attn_norm=self.norm(), wqkv=self.normal(qkv, D), wo=self.normal(D, NH),
+            mlp_norm=self.norm(), w_in=self.normal(F_in, D), w_out=self.normal(D, F),
+            bqkv=self.zeros(qkv, when=c.attn_bias), bo=self.zeros(D, when=c.attn_bias),
+            b_in=self.zeros(F_in, when=c.mlp_bias), b_out=self.zeros(D, when=c.mlp_bias))
+
+    def cross(self):
+        c = self.c
+        D, NH, KH2 = c.d_model, c.n_heads * c.head_dim, 2 * c.n_kv_heads * c.head_dim
+        return Cross(norm=self.norm(), wq=self.normal(NH, D), wkv=self.normal(KH2, D),
+                     wo=self.normal(D, NH), bq=self.zeros(NH, when=c.attn_bias),
+                     bkv=self.zeros(KH2, when=c.attn_bias), bo=self.zeros(D, when=c.attn_bias))
 
     def rel_bias(self):
         return self.normal(self.c.relative_buckets, self.c.n_heads) \
@@ -134,7 +154,7 @@ class _Init:
         c, e = self.c, self.c.encoder
         audio = e.input == "audio"
         return Encoder(
-            blocks=self.blocks(e.n_layers), final_norm=self.norm(),
+            blocks=tuple(self.block() for _ in range(e.n_layers)), final_norm=self.norm(),
             rel_bias=None if audio else self.rel_bias(),
             pos_embed=jnp.asarray(sinusoids(e.max_len, c.d_model), self.dtype) if audio else None,
             conv1_w=self.normal(3, e.n_mels, c.d_model) if audio else None,
@@ -146,15 +166,15 @@ class _Init:
 def init_params(config: Config, key: jax.Array, dtype=jnp.float32) -> Params:
     """Random parameters (normal(0, 0.02) weights, unit norms, zero biases)."""
     c, init = config, _Init(config, key, dtype)
-    L, D, V = c.n_layers, c.d_model, c.vocab_size
-    cross = None
-    if c.is_encoder_decoder:
-        cross = Cross(norm=init.norm(L), **init.attention(L, c.attn_bias))
+    encdec = c.is_encoder_decoder
     return Params(
-        config=c, embed=init.normal(V, D), blocks=init.blocks(L), final_norm=init.norm(),
-        pos_embed=init.normal(c.max_seq_len, D) if c.position == "learned" else None,
-        rel_bias=init.rel_bias(), lm_head=None if c.tie_embeddings else init.normal(D, V),
-        cross=cross, encoder=init.encoder() if c.is_encoder_decoder else None)
+        config=c, embed=init.normal(c.vocab_size, c.d_model),
+        blocks=tuple(init.block() for _ in range(c.n_layers)), final_norm=init.norm(),
+        pos_embed=init.normal(c.max_seq_len, c.d_model) if c.position == "learned" else None,
+        rel_bias=init.rel_bias(),
+        lm_head=None if c.tie_embeddings else init.normal(c.vocab_size, c.d_model),
+        cross=tuple(init.cross() for _ in range(c.n_layers)) if encdec else None,
+        encoder=init.encoder() if encdec else None)
 
 
 def cast(params, dtype):

@@ -14,12 +14,14 @@ from jaxkv.convert import path_name
 
 DATA, MODEL = "data", "model"
 
-# Which axis of each parameter (by name, after its leading L axis if stacked) is split over
-# the model axis: heads for attention, F for the MLP, V for the vocabulary.
+# Which axis of each parameter (by leaf name) is split over the model axis, and which size
+# must divide the model axis for the split to keep heads / units whole: fused Q/K/V rows are
+# grouped by kv head, gate/up rows by MLP unit (see params.py).
 _MODEL_AXIS = {
-    "wq": 1, "wk": 1, "wv": 1, "wo": 0, "bq": 0, "bk": 0, "bv": 0,
-    "w_up": 1, "w_gate": 1, "w_down": 0, "b_up": 0, "b_gate": 0,
-    "embed": 0, "lm_head": 1,
+    "wqkv": (0, "n_kv_heads"), "bqkv": (0, "n_kv_heads"), "wkv": (0, "n_kv_heads"),
+    "bkv": (0, "n_kv_heads"), "wq": (0, "n_heads"), "bq": (0, "n_heads"),
+    "wo": (1, "n_heads"), "w_in": (0, "d_ff"), "b_in": (0, "d_ff"), "w_out": (1, "d_ff"),
+    "embed": (0, "vocab_size"), "lm_head": (0, "vocab_size"),
 }
 
 
@@ -32,37 +34,34 @@ def make_mesh(data: int, model: int, devices=None) -> Mesh:
     return Mesh(devices.reshape(-1)[: data * model].reshape(data, model), (DATA, MODEL))
 
 
-def _spec(shape, axis, mesh: Mesh, name: str):
-    """PartitionSpec splitting dimension `axis` of shape over `name`, if it divides evenly."""
-    spec = [None] * len(shape)
-    if axis is not None and shape[axis] % mesh.shape[name] == 0:
+def _spec(ndim: int, axis, name: str | None):
+    spec = [None] * ndim
+    if axis is not None:
         spec[axis] = name
     return P(*spec)
 
 
 def param_shardings(params, mesh: Mesh):
     """NamedSharding for every parameter leaf (same pytree structure as params)."""
-    def one(path, leaf):
-        name = path_name(path)
-        leaf_name = name.split(".")[-1]
-        axis = _MODEL_AXIS.get(leaf_name)
-        stacked = "blocks." in name or name.startswith("cross.")
-        if axis is not None and stacked:
-            axis += 1  # past the leading L axis
-        return NamedSharding(mesh, _spec(leaf.shape, axis, mesh, MODEL))
+    c = params.config
 
-    return jax.tree_util.tree_map_with_path(one, params)
+    def one(path, leaf):
+        axis, unit = _MODEL_AXIS.get(path_name(path).split(".")[-1], (None, None))
+        whole = unit is not None and getattr(c, unit) % mesh.shape[MODEL] == 0
+        return NamedSharding(mesh, _spec(leaf.ndim, axis if whole else None, MODEL))
+
+    return jax.tree.map_with_path(one, params)
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """Rows over the data axis, kv heads over the model axis."""
-    def one(path, leaf):
-        if leaf.ndim == 5:  # [L, B, S, K, H]
-            spec = _spec(leaf.shape, 3, mesh, MODEL)
-            return NamedSharding(mesh, P(None, _batch(leaf.shape[1], mesh), None, *spec[3:]))
-        return NamedSharding(mesh, P(_batch(leaf.shape[0], mesh), *[None] * (leaf.ndim - 1)))
+    """Rows over the data axis; kv heads ([B, K, S, H] leaves) over the model axis."""
+    def one(leaf):
+        spec = [_batch(leaf.shape[0], mesh)] + [None] * (leaf.ndim - 1)
+        if leaf.ndim == 4 and leaf.shape[1] % mesh.shape[MODEL] == 0:
+            spec[1] = MODEL
+        return NamedSharding(mesh, P(*spec))
 
-    return jax.tree_util.tree_map_with_path(one, cache)
+    return jax.tree.map(one, cache)
 
 
 def _batch(size: int, mesh: Mesh):

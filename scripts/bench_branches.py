@@ -59,9 +59,9 @@ def copied_decode(params, prefix, sampling, keys_n, *, max_new_tokens):
     """Baseline: the prompt's cache copied into each of n rows, then ordinary decode_step."""
     n, P = keys_n.shape[0], prefix.cache.capacity
     cache = jaxkv.init_cache(params, n, P + max_new_tokens)
-    copy = lambda full, one: full.at[:, :, :P].set(jnp.broadcast_to(one, (one.shape[0], n) +  # noqa: E731
-                                                                     one.shape[2:]))
-    cache = cache.replace(k=copy(cache.k, prefix.cache.k), v=copy(cache.v, prefix.cache.v))
+    copy = lambda full, one: full.at[:, :, :P].set(jnp.broadcast_to(one, (n,) + one.shape[1:]))  # noqa: E731
+    cache = cache.replace(k=tuple(map(copy, cache.k, prefix.cache.k)),
+                          v=tuple(map(copy, cache.v, prefix.cache.v)))
     V = params.config.vocab_size
     never_seen = jnp.zeros((n, V), bool)
 

@@ -45,9 +45,10 @@ def check(name, shape):
     sharded_cache = jax.device_put(cache, cache_shardings(cache, mesh))
     got, new_cache = step(sharded_params, sharded_cache, jnp.arange(8), jnp.asarray(lengths))
     out["logit_error"] = float(np.abs(np.asarray(got) - np.asarray(want)).max())
-    out["wq_spec"] = str(sharded_params.blocks.wq.sharding.spec)
-    out["cache_spec"] = str(sharded_cache.k.sharding.spec)
-    out["devices"] = len(sharded_params.blocks.wq.sharding.device_set)
+    out["w_in_spec"] = str(sharded_params.blocks[0].w_in.sharding.spec)
+    out["wo_spec"] = str(sharded_params.blocks[0].wo.sharding.spec)
+    out["cache_spec"] = str(sharded_cache.k[0].sharding.spec)
+    out["devices"] = len(sharded_params.blocks[0].w_in.sharding.device_set)
     return out
 
 

@@ -15,6 +15,13 @@ def llama_cpp_permute(w, n_heads):
         .reshape(w.shape)
 
 
+def test_split_layer():
+    assert convert.split_layer("blocks.3.wqkv") == ("blocks.wqkv", 3)
+    assert convert.split_layer("encoder.blocks.11.attn_norm.scale") == (
+        "encoder.blocks.attn_norm.scale", 11)
+    assert convert.split_layer("embed") == ("embed", None)
+
+
 @pytest.mark.parametrize("n_heads, shape", [(4, (64, 32)), (2, (32, 48)), (3, (48,))])
 def test_unpermute_inverts_llama_cpp(n_heads, shape):
     w = np.random.default_rng(0).normal(size=shape)
@@ -26,7 +33,8 @@ def test_unpermute_inverts_llama_cpp(n_heads, shape):
 def test_name_maps_cover_every_parameter(name):
     config = CONFIGS[name]
     skeleton = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-    paths = {convert.path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(skeleton)[0]}
+    paths = {convert.split_layer(convert.path_name(p))[0]
+             for p, _ in jax.tree_util.tree_flatten_with_path(skeleton)[0]}
     maps = ([convert.gpt2_map(config)] if config.position == "learned" else
             [convert.llama_map(config, convert.HF_LLAMA_NAMES),
              convert.llama_map(config, convert.GGUF_LLAMA_NAMES, unpermute_qk=True)])

@@ -78,7 +78,8 @@ def test_bfloat16_cache_stays_close(llama):
     tokens_BT = random_tokens(4, (1, 10))
     ref_BV = jaxkv.forward(llama, tokens_BT)[:, -1]
     cache = jaxkv.init_cache(llama, 1, 16, dtype=jnp.bfloat16)
-    assert cache.k.dtype == jnp.bfloat16 and cache.k.shape == (3, 1, 16, 2, 16)
+    assert len(cache.k) == 3  # layers
+    assert cache.k[0].dtype == jnp.bfloat16 and cache.k[0].shape == (1, 2, 16, 16)  # [B, K, S, H]
     logits_BV, _ = jaxkv.prefill(llama, cache, tokens_BT)
     np.testing.assert_allclose(logits_BV, ref_BV, atol=2e-2, rtol=0)
 

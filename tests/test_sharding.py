@@ -28,6 +28,7 @@ def test_sharded_equals_unsharded(results, case):
 
 
 def test_params_and_cache_are_really_split(results):
-    assert "model" in results["llama_gqa 2x4"]["wq_spec"]
+    assert "model" in results["llama_gqa 2x4"]["w_in_spec"]
+    assert "model" in results["llama_gqa 2x4"]["wo_spec"]
     assert "data" in results["llama_gqa 2x4"]["cache_spec"]
     assert "data" in results["llama_gqa 8x1"]["cache_spec"]
