@@ -1,0 +1,226 @@
+"""Decode speed against Hugging Face transformers and the memory-bandwidth floor, one run.
+
+For each model x dtype x batch: prompt 32 tokens, 128 new tokens, greedy.
+  jaxkv   jaxkv.generate (prefill + lax.scan of decode_step, one compiled program)
+  hf      transformers generate with its KV cache, same weights, same prompts
+  probe   a large array copy: the machine's memory bandwidth (bytes read + written / s)
+
+time to first token = a 1-token generate; ms/token = (t(128 new) - t(1 new)) / 127; compile =
+first call - steady call. MBU = bytes one decode step must read (weights + the filled cache at
+the mean position) / ms per step / probe bandwidth. Weights are those of the model being run:
+SmolLM2-135M-Instruct (real, GGUF), GPT-2-124M and Llama-1B shapes (random, saved locally with
+transformers and loaded by both). Writes JSON + PNG; asserts nothing recompiles after warm-up.
+
+  python scripts/bench_decode.py                                  # CPU grid (~15 min, 2 cores)
+  python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32   # quick
+  python scripts/bench_decode.py --models llama-1b smollm2 --dtypes bfloat16      # on a GPU
+"""
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkv
+
+RANDOM_MODELS = {  # transformers config class, kwargs: random weights saved with save_pretrained
+    "gpt2-124m": ("GPT2Config", {}),
+    "llama-1b": ("LlamaConfig", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                     num_hidden_layers=22, num_attention_heads=32,
+                                     num_key_value_heads=4, max_position_embeddings=2048)),
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def bandwidth_probe(megabytes=512, repeats=5):
+    """Copy bandwidth in bytes/s (read + write), the best of a jitted copy and numpy's."""
+    n = megabytes * 2**20 // 4
+    x = jnp.ones((n,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(copy(x))
+    best_jax = min(_seconds(lambda: jax.block_until_ready(copy(x))) for _ in range(repeats))
+    a = np.ones(n, np.float32)
+    b = np.empty_like(a)
+    best_np = min(_seconds(lambda: np.copyto(b, a)) for _ in range(repeats))
+    return {"jax_copy": 8 * n / best_jax, "numpy_copy": 8 * n / best_np,
+            "bytes_per_s": 8 * n / min(best_jax, best_np)}
+
+
+def _seconds(run):
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def load_models(name, workdir):
+    """(jaxkv params in float32, a function dtype -> transformers model) for the same weights."""
+    import torch
+    import transformers
+
+    if name == "smollm2":
+        from jaxkv.cli import default_model
+
+        path = default_model()
+        hf = lambda dtype: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
+        return jaxkv.load(path), hf
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+        config_cls, kwargs = RANDOM_MODELS[name]
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(
+            getattr(transformers, config_cls)(**kwargs))
+        model.save_pretrained(path)
+    hf = lambda dtype: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)  # noqa: E731
+    return jaxkv.load(path), hf
+
+
+def step_bytes(params, batch, prompt_len, new_tokens):
+    """Bytes one decode step must read: every weight (embedding tables only the rows looked up
+    unless one is also the head) plus K and V of the filled cache at the mean position."""
+    c = params.config
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    itemsize = jax.tree.leaves(params)[0].dtype.itemsize
+    tables = [params.embed] + ([params.pos_embed] if getattr(params, "pos_embed", None) is not None
+                               else [])
+    if c.tie_embeddings:
+        tables = tables[1:]
+    total -= sum(t.nbytes - batch * t.shape[-1] * itemsize for t in tables)
+    filled = prompt_len + new_tokens / 2
+    return total + 2 * c.n_layers * batch * c.n_kv_heads * c.head_dim * filled * itemsize
+
+
+def time_jaxkv(params, prompts, new_tokens, repeats):
+    def run(n):
+        return lambda: jax.block_until_ready(jaxkv.generate(params, prompts, n))
+
+    first = {n: _seconds(run(n)) for n in (1, new_tokens)}
+    counts = dict(jaxkv.trace_counts)
+    steady = {n: min(_seconds(run(n)) for _ in range(repeats)) for n in (1, new_tokens)}
+    assert dict(jaxkv.trace_counts) == counts, "jaxkv recompiled after warm-up"
+    tokens = np.asarray(jaxkv.generate(params, prompts, new_tokens)[0])
+    return first[new_tokens] - steady[new_tokens], steady, tokens
+
+
+def time_hf(model, prompts, new_tokens, repeats):
+    import torch
+
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def run(n):
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, use_cache=True, pad_token_id=0)
+
+    run(2)  # warm-up
+    steady = {n: min(_seconds(lambda: run(n)) for _ in range(repeats)) for n in (1, new_tokens)}
+    return steady, run(new_tokens)[:, ids.shape[1]:].numpy()
+
+
+def summarize(steady, batch, new_tokens):
+    ms = 1e3 * (steady[new_tokens] - steady[1]) / (new_tokens - 1)
+    return dict(ttft_ms=1e3 * steady[1], ms_per_token=ms, tokens_per_s=1e3 * batch / ms)
+
+
+def bench_cell(name, dtype, batch, params, hf_model, args, bandwidth):
+    prompts = np.random.default_rng(batch).integers(
+        0, params.config.vocab_size, (batch, args.prompt_len)).tolist()
+    compile_s, steady, ours = time_jaxkv(params, prompts, args.new_tokens, args.repeats)
+    row = dict(model=name, dtype=dtype, batch=batch, compile_s=compile_s,
+               **summarize(steady, batch, args.new_tokens))
+    row["step_bytes"] = step_bytes(params, batch, args.prompt_len, args.new_tokens)
+    row["mbu"] = row["step_bytes"] / (row["ms_per_token"] / 1e3) / bandwidth
+    if hf_model is not None:
+        hf_steady, theirs = time_hf(hf_model, prompts, args.new_tokens, args.hf_repeats)
+        hf = summarize(hf_steady, batch, args.new_tokens)
+        row.update({f"hf_{k}": v for k, v in hf.items()})
+        row["speedup_vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"]
+        row["greedy_tokens_equal_hf"] = float((ours == theirs).mean())
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2", "gpt2-124m"],
+                    choices=["smollm2", *RANDOM_MODELS])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-repeats", type=int, default=1)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "jaxkv_bench"))
+    ap.add_argument("--out", default="results/bench_decode")
+    args = ap.parse_args()
+    probe = bandwidth_probe()
+    print(json.dumps(probe), flush=True)
+    rows = []
+    for name in args.models:
+        params32, hf_loader = load_models(name, args.workdir)
+        for dtype in args.dtypes:
+            params = jaxkv.cast(params32, DTYPES[dtype])
+            hf_model = None if args.no_hf else hf_loader(_torch_dtype(dtype)).eval()
+            rows += [bench_cell(name, dtype, b, params, hf_model, args, probe["bytes_per_s"])
+                     for b in args.batches]
+    report(args, probe, rows)
+
+
+def _torch_dtype(name):
+    import torch
+
+    return getattr(torch, name)
+
+
+def report(args, probe, rows):
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    result = dict(device=jax.devices()[0].device_kind, platform=platform.platform(),
+                  cpu_count=os.cpu_count(), jax=jax.__version__, prompt_len=args.prompt_len,
+                  new_tokens=args.new_tokens, bandwidth=probe, rows=rows)
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{'model':10s} {'dtype':8s} {'B':>3s} {'ms/tok':>7s} {'tok/s':>8s} {'TTFT ms':>8s} "
+          f"{'compile':>7s} {'MBU':>5s} {'HF ms/tok':>9s} {'vs HF':>6s}")
+    for r in rows:
+        print(f"{r['model']:10s} {r['dtype']:8s} {r['batch']:3d} {r['ms_per_token']:7.1f} "
+              f"{r['tokens_per_s']:8.1f} {r['ttft_ms']:8.1f} {r['compile_s']:7.1f} "
+              f"{r['mbu']:5.2f} {r.get('hf_ms_per_token', float('nan')):9.1f} "
+              f"{r.get('speedup_vs_hf', float('nan')):6.2f}")
+    plot(args, result)
+
+
+def plot(args, result):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    cells = sorted({(r["model"], r["dtype"]) for r in rows})
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 4), squeeze=False)
+    for ax, (model, dtype) in zip(axes[0], cells):
+        sel = [r for r in rows if r["model"] == model and r["dtype"] == dtype]
+        batches = [r["batch"] for r in sel]
+        ax.plot(batches, [r["tokens_per_s"] for r in sel], "o-", label="jaxkv")
+        if "hf_tokens_per_s" in sel[0]:
+            ax.plot(batches, [r["hf_tokens_per_s"] for r in sel], "s--", label="HF transformers")
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s",
+               title=f"{model} {dtype}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"decode, prompt {args.prompt_len} + {args.new_tokens} new, "
+                 f"{result['device']} (copy {result['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s)")
+    fig.tight_layout()
+    fig.savefig(args.out + ".png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

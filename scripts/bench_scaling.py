@@ -1,0 +1,141 @@
+"""Decode step time vs position for several cache capacities: attention visits only the filled
+blocks of the cache, so a step costs what is filled, not what is allocated.
+
+  blocked  decode_step as shipped: attention over ceil((max pos + 1) / BLOCK) slot blocks
+  dense    the same step with attention over every slot of the capacity (the naive way)
+
+Each point is a jitted lax.scan of --steps decode steps starting at that position (the cache
+donated, positions traced: one compile per capacity, asserted). Writes JSON + PNG.
+
+  python scripts/bench_scaling.py                      # SmolLM2-135M, B=1, capacities to 8192
+  python scripts/bench_scaling.py --capacities 320 2048 --positions 0 256   # quick
+"""
+
+import argparse
+import functools
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jaxkv
+from jaxkv.attention import causal_mask
+from jaxkv.decoder import extend, logits
+
+
+def dense_step(params, cache, token_B, pos_B):
+    """decode_step with attention over every slot of the capacity (no kv_len bound)."""
+    pos_BT = pos_B[:, None]
+    x_BTD, cache = extend(params, cache, token_B[:, None], pos_BT, pos_BT,
+                          causal_mask(pos_BT, cache.capacity))
+    return logits(params, x_BTD)[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("n_steps", "bounded"), donate_argnames="cache")
+def run_steps(params, cache, pos_B, *, n_steps, bounded):
+    jaxkv.tracecount.count_trace(f"run_steps bounded={bounded}")
+
+    def body(carry, i):
+        cache, token_B = carry
+        step = jaxkv.decode_step if bounded else dense_step
+        logits_BV, cache = step(params, cache, token_B, pos_B + i)
+        return (cache, jnp.argmax(logits_BV, -1).astype(jnp.int32)), None
+
+    (cache, token_B), _ = jax.lax.scan(body, (cache, jnp.zeros_like(pos_B)), jnp.arange(n_steps))
+    return cache, token_B
+
+
+def ms_per_step(params, capacity, positions, args, bounded):
+    """{position: best ms per step over --repeats} for one capacity; compiles once."""
+    cache = jaxkv.init_cache(params, args.batch, capacity)
+    at = lambda p: jnp.full((args.batch,), p, jnp.int32)  # noqa: E731
+    cache, _ = jax.block_until_ready(run_steps(params, cache, at(0), n_steps=args.steps,
+                                               bounded=bounded))
+    counts = dict(jaxkv.trace_counts)
+    out = {}
+    for p in positions:
+        best = float("inf")
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            cache, _ = jax.block_until_ready(run_steps(params, cache, at(p), n_steps=args.steps,
+                                                       bounded=bounded))
+            best = min(best, time.perf_counter() - start)
+        out[p] = 1e3 * best / args.steps
+    assert dict(jaxkv.trace_counts) == counts, "recompiled after warm-up"
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="smollm2 or a jaxkv / HF / GGUF path")
+    ap.add_argument("--capacities", type=int, nargs="+", default=[320, 1024, 2048, 8192])
+    ap.add_argument("--positions", type=int, nargs="+",
+                    default=[0, 64, 128, 256, 512, 1024, 2048, 4096, 8000])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="results/bench_scaling")
+    args = ap.parse_args()
+    if args.model == "smollm2":
+        from jaxkv.cli import default_model
+
+        args.model = default_model()
+    params = jaxkv.load(args.model)
+    rows = []
+    for capacity in args.capacities:
+        positions = [p for p in args.positions if p + args.steps <= capacity]
+        for bounded in (True, False):
+            for p, ms in ms_per_step(params, capacity, positions, args, bounded).items():
+                rows.append(dict(capacity=capacity, position=p, ms_per_step=ms,
+                                 attention="blocked" if bounded else "dense"))
+                print(json.dumps(rows[-1]), flush=True)
+    report(args, params, rows)
+
+
+def lookup(rows, capacity, position, attention):
+    return next(r["ms_per_step"] for r in rows if (r["capacity"], r["position"], r["attention"])
+                == (capacity, position, attention))
+
+
+def report(args, params, rows):
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    small, big = min(args.capacities), max(args.capacities)
+    p = 256 if 256 + args.steps <= small else 0
+    ratios = {a: lookup(rows, big, p, a) / lookup(rows, small, p, a) for a in ("blocked", "dense")}
+    result = dict(model=os.path.basename(args.model), config=params.config.to_dict(),
+                  batch=args.batch, device=jax.devices()[0].device_kind,
+                  platform=platform.platform(), jax=jax.__version__, rows=rows,
+                  ratio_at=dict(position=p, capacity=big, over_capacity=small, **ratios))
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"step time at position {p}, capacity {big} / capacity {small}: "
+          f"blocked {ratios['blocked']:.3f}x, dense {ratios['dense']:.3f}x")
+    plot(args, result)
+
+
+def plot(args, result):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, capacity in enumerate(args.capacities):
+        for attention, style in (("blocked", "o-"), ("dense", "x:")):
+            sel = [r for r in result["rows"]
+                   if r["capacity"] == capacity and r["attention"] == attention]
+            ax.plot([max(r["position"], 1) for r in sel], [r["ms_per_step"] for r in sel], style,
+                    color=f"C{i}", label=f"capacity {capacity}, {attention}")
+    ax.set(xscale="log", xlabel="position (0 plotted at 1)", ylabel="ms per decode step",
+           title=f"{result['model']}, batch {args.batch}, {result['device']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out + ".png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The benchmark scripts run end to end on tiny settings and write their JSON and plot (their
+figures come from full runs, recorded in results/ and README)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RUNS = {
+    "bench_decode": ["--models", "smollm2", "--dtypes", "float32", "--batches", "1",
+                     "--new-tokens", "4", "--repeats", "1"],
+    "bench_scaling": ["--capacities", "48", "300", "--positions", "0", "16", "--steps", "2",
+                      "--repeats", "1"],
+    "bench_complexity": ["--lengths", "4", "8", "--repeats", "1"],
+    "bench_branches": ["--branches", "1", "2", "--new-tokens", "4", "--prompt-len", "16"],
+}
+
+
+@pytest.mark.parametrize("script", RUNS)
+def test_script_runs(script, tmp_path):
+    out = str(tmp_path / script)
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script + ".py"),
+                          *RUNS[script], "--out", out], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(out + ".json") as f:
+        assert json.load(f)["rows"]
+    assert os.path.getsize(out + ".png") > 0
