@@ -28,9 +28,10 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
 def _attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS=None):
     B, T, N, H = q_BTNH.shape
     K = k_BKSH.shape[1]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    scores_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH,
-                              preferred_element_type=jnp.float32) * scale
+    # Scores and weighted sums in float32 (XLA:CPU has no bfloat16 x bfloat16 -> float32 dot).
+    k_BKSH, v_BKSH = k_BKSH.astype(jnp.float32), v_BKSH.astype(jnp.float32)
+    q_BTKGH = q_BTNH.astype(jnp.float32).reshape(B, T, K, N // K, H)
+    scores_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH) * scale
     if bias_BNTS is not None:
         b, _, t, s = bias_BNTS.shape
         scores_BKGTS = scores_BKGTS + bias_BNTS.reshape(b, K, N // K, t, s)
@@ -40,8 +41,7 @@ def _attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS=None):
     max_BKGT1 = jnp.where(jnp.isfinite(max_BKGT1), max_BKGT1, 0.0)
     weights_BKGTS = jnp.exp(scores_BKGTS - max_BKGT1)
     total_BKGT = weights_BKGTS.sum(-1)
-    out_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", weights_BKGTS.astype(v_BKSH.dtype), v_BKSH,
-                           preferred_element_type=jnp.float32)
+    out_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", weights_BKGTS, v_BKSH)
     total_BTKG = jnp.moveaxis(total_BKGT, 3, 1)
     out_BTKGH = out_BTKGH / jnp.maximum(total_BTKG, jnp.finfo(jnp.float32).tiny)[..., None]
     lse_BTKG = jnp.moveaxis(max_BKGT1[..., 0], 3, 1) + jnp.log(total_BTKG)

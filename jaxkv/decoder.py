@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxkv import blocks, checks, encoder
 from jaxkv.attention import causal_mask, relative_bias
 from jaxkv.cache import KVCache
-from jaxkv.layers import norm
+from jaxkv.layers import dense, norm
 from jaxkv.params import Params
 from jaxkv.tracecount import count_trace
 
@@ -31,7 +31,7 @@ def logits(params: Params, x_BTD):
     if c.rescale_logits:
         x_BTD = x_BTD * c.d_model ** -0.5
     head_VD = params.embed if params.lm_head is None else params.lm_head
-    return jnp.einsum("BTD,VD->BTV", x_BTD, head_VD, preferred_element_type=jnp.float32)
+    return dense(x_BTD, head_VD, dtype=jnp.float32)
 
 
 def self_bias(params: Params, pos_BT, key_pos_BS):

@@ -84,6 +84,21 @@ def test_bfloat16_cache_stays_close(llama):
     np.testing.assert_allclose(logits_BV, ref_BV, atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_bfloat16_params_decode_close_to_float32(llama, batch):
+    """bf16 weights, activations and cache: batch-1 and batched products both run (XLA:CPU has
+    no bf16 x bf16 -> f32 product: see layers.dense) and stay near the float32 logits."""
+    tokens_BT = random_tokens(5, (batch, 8))
+    ref_BV = jaxkv.forward(llama, tokens_BT)[:, -1]
+    half = jaxkv.cast(llama, jnp.bfloat16)
+    cache = jaxkv.init_cache(half, batch, 300)  # > one attention block
+    _, cache = jaxkv.prefill(half, cache, tokens_BT[:, :7])
+    logits_BV, _ = jax.jit(jaxkv.decode_step)(half, cache, tokens_BT[:, 7],
+                                              jnp.full((batch,), 7))
+    assert logits_BV.dtype == jnp.float32
+    np.testing.assert_allclose(logits_BV, ref_BV, atol=5e-2, rtol=0)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(tokens=np.zeros((1, 20), np.int32)), "prompt longer than the cache"),
     (dict(tokens=np.zeros((1, 0), np.int32)), "tokens is empty"),
