@@ -211,8 +211,9 @@ def plot(args, result):
         sel = [r for r in rows if r["model"] == model and r["dtype"] == dtype]
         batches = [r["batch"] for r in sel]
         ax.plot(batches, [r["tokens_per_s"] for r in sel], "o-", label="jaxkv")
-        if "hf_tokens_per_s" in sel[0]:
-            ax.plot(batches, [r["hf_tokens_per_s"] for r in sel], "s--", label="HF transformers")
+        hf = [(r["batch"], r["hf_tokens_per_s"]) for r in sel if "hf_tokens_per_s" in r]
+        if hf:
+            ax.plot(*zip(*hf), "s--", label="HF transformers")
         ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s",
                title=f"{model} {dtype}")
         ax.grid(True, which="both", alpha=0.3)
