@@ -112,17 +112,20 @@ def time_jaxkv(params, prompts, new_tokens, repeats):
 def time_hf(model, prompts, new_tokens, repeats):
     import torch
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     mask = torch.ones_like(ids)
 
     def run(n):
         with torch.inference_mode():
-            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, use_cache=True, pad_token_id=0)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, use_cache=True, pad_token_id=0)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        return out
 
     run(2)  # warm-up
     steady = {n: min(_seconds(lambda: run(n)) for _ in range(repeats)) for n in (1, new_tokens)}
-    return steady, run(new_tokens)[:, ids.shape[1]:].numpy()
+    return steady, run(new_tokens)[:, ids.shape[1]:].cpu().numpy()
 
 
 def summarize(steady, batch, new_tokens):
@@ -169,7 +172,8 @@ def main():
         params32, hf_loader = load_models(name, args.workdir)
         for dtype in args.dtypes:
             params = jaxkv.cast(params32, DTYPES[dtype])
-            hf_model = None if args.no_hf else hf_loader(_torch_dtype(dtype)).eval()
+            hf_model = None if args.no_hf else hf_loader(_torch_dtype(dtype)).eval().to(
+                _torch_device())
             rows += [bench_cell(name, dtype, b, params, hf_model, args, probe["bytes_per_s"])
                      for b in args.batches]
     report(args, probe, rows)
@@ -179,6 +183,13 @@ def _torch_dtype(name):
     import torch
 
     return getattr(torch, name)
+
+
+def _torch_device():
+    """The baseline runs where torch's best device is (a GPU if it sees one)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def report(args, probe, rows):
