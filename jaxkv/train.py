@@ -284,6 +284,38 @@ def plot_losses(path, meta: dict, title: str) -> None:
     plt.close(fig)
 
 
+# ---- the scripts' shared driver -------------------------------------------------------------
+
+def add_run_flags(ap, *, steps: int, lr: float, warmup: int, every: int, ckpt_dir: str) -> None:
+    """The flags every training script takes: schedule, checkpoints, stop and resume."""
+    ap.add_argument("--ckpt-dir", default=ckpt_dir, help="orbax TrainState checkpoints")
+    ap.add_argument("--steps", type=int, default=steps, help="optimizer steps (the schedule)")
+    ap.add_argument("--stop-at", type=int, help="end this run after this step (default --steps)")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--eval-every", type=int, default=every)
+    ap.add_argument("--ckpt-every", type=int, default=every)
+
+
+def train_from_flags(args, config, run: dict, next_batch, loss_fn, evaluate):
+    """Trains config as add_run_flags' flags say (fresh, or --resume from the latest checkpoint,
+    up to --stop-at) -> (state, meta); None, after saying how to go on, when the run stopped
+    before --steps. run: the settings a resumed run must share (see `start`)."""
+    optim = OptimConfig(steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup,
+                        final_lr=args.lr / 10)
+    loop = Loop(args.steps, args.stop_at or args.steps, args.ckpt_every, args.eval_every)
+    manager = checkpoint_manager(args.ckpt_dir)
+    state, meta = start(config, args.seed, optim, manager, run, args.resume)
+    state = fit(state, next_batch, loss_fn, optim, loop, evaluate, manager, meta)
+    manager.close()
+    if int(state.step) < args.steps:
+        print(f"stopped at step {int(state.step)} of {args.steps}; go on with --resume")
+        return None
+    return state, meta
+
+
 # ---- run records --------------------------------------------------------------------------
 
 def tree_sha256(tree) -> str:

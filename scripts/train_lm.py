@@ -36,12 +36,9 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(DATA), help="a text file, read as bytes")
     ap.add_argument("--out", default="results/train_lm", help="loss PNG, run record, sample")
-    ap.add_argument("--ckpt-dir", default="runs/train_lm/ckpt", help="orbax TrainState checkpoints")
     ap.add_argument("--model-dir", default="runs/train_lm/model", help="the final jaxkv.save")
-    ap.add_argument("--steps", type=int, default=600, help="optimizer steps (the schedule)")
-    ap.add_argument("--stop-at", type=int, help="end this run after this step (default --steps)")
-    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    ap.add_argument("--seed", type=int, default=0)
+    train.add_run_flags(ap, steps=600, lr=3e-3, warmup=50, every=200,
+                        ckpt_dir="runs/train_lm/ckpt")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--d-model", type=int, default=128)
@@ -49,10 +46,6 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--d-ff", type=int, default=384)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--eval-every", type=int, default=200)
-    ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--prompt", default="ROMEO:")
     ap.add_argument("--sample-len", type=int, default=300, help="bytes to sample")
     ap.add_argument("--temperature", type=float, default=0.8)
@@ -104,20 +97,14 @@ def main(argv=None):
     train_bytes, val_bytes = load_bytes(args.data)
     data = jax.device_put(train_bytes)
     val_batches = train.lm_windows(val_bytes, args.batch, args.seq_len)
-    optim = train.OptimConfig(steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup,
-                              final_lr=args.lr / 10)
-    loop = train.Loop(args.steps, args.stop_at or args.steps, args.ckpt_every, args.eval_every)
-    manager = train.checkpoint_manager(args.ckpt_dir)
     run = {name: getattr(args, name) for name in RUN_FLAGS}
-    state, meta = train.start(model_config(args), args.seed, optim, manager, run, args.resume)
-    state = train.fit(state, lambda key, i: train.lm_batch(data, key, i, args.batch, args.seq_len),
-                      train.lm_loss, optim, loop,
-                      lambda params: train.mean_loss(params, val_batches, train.lm_loss),
-                      manager, meta)
-    manager.close()
-    if int(state.step) < args.steps:
-        print(f"stopped at step {int(state.step)} of {args.steps}; go on with --resume")
+    trained = train.train_from_flags(
+        args, model_config(args), run,
+        lambda key, i: train.lm_batch(data, key, i, args.batch, args.seq_len), train.lm_loss,
+        lambda params: train.mean_loss(params, val_batches, train.lm_loss))
+    if trained is None:
         return None
+    state, meta = trained
     return finish(args, state.params, meta, time.perf_counter() - started)
 
 

@@ -32,21 +32,14 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/train_seq2seq", help="results, PNG, run record")
-    ap.add_argument("--ckpt-dir", default="runs/train_seq2seq/ckpt")
-    ap.add_argument("--steps", type=int, default=5000, help="optimizer steps (the schedule)")
-    ap.add_argument("--stop-at", type=int, help="end this run after this step (default --steps)")
-    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    ap.add_argument("--seed", type=int, default=0)
+    train.add_run_flags(ap, steps=5000, lr=1e-2, warmup=100, every=500,
+                        ckpt_dir="runs/train_seq2seq/ckpt")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2, help="decoder layers")
     ap.add_argument("--encoder-layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--d-ff", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=1e-2)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=500)
-    ap.add_argument("--ckpt-every", type=int, default=500)
     ap.add_argument("--test-size", type=int, default=2000, help="held-out strings")
     return ap.parse_args(argv)
 
@@ -116,20 +109,14 @@ def main(argv=None):
     held_out = {row.tobytes() for row in sources}
     test_batches = [make_batch(sources[i:i + args.batch], lengths[i:i + args.batch])
                     for i in range(0, args.test_size - args.batch + 1, args.batch)]
-    optim = train.OptimConfig(steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup,
-                              final_lr=args.lr / 10)
-    loop = train.Loop(args.steps, args.stop_at or args.steps, args.ckpt_every, args.eval_every)
-    manager = train.checkpoint_manager(args.ckpt_dir)
     run = {name: getattr(args, name) for name in RUN_FLAGS}
-    state, meta = train.start(model_config(args), args.seed, optim, manager, run, args.resume)
-    state = train.fit(state, lambda key, i: training_batch(key, i, args.batch, held_out),
-                      train.seq2seq_loss, optim, loop,
-                      lambda params: train.mean_loss(params, test_batches, train.seq2seq_loss),
-                      manager, meta)
-    manager.close()
-    if int(state.step) < args.steps:
-        print(f"stopped at step {int(state.step)} of {args.steps}; go on with --resume")
+    trained = train.train_from_flags(
+        args, model_config(args), run,
+        lambda key, i: training_batch(key, i, args.batch, held_out), train.seq2seq_loss,
+        lambda params: train.mean_loss(params, test_batches, train.seq2seq_loss))
+    if trained is None:
         return None
+    state, meta = trained
     return finish(args, state.params, meta, sources, lengths, time.perf_counter() - started)
 
 
