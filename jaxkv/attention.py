@@ -13,9 +13,9 @@ BLOCK = 256  # key slots per block when attention is bounded by the filled lengt
 def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None):
     """Attention output [B, T, N, H] (float32) and its log-sum-exp [B, T, N].
 
-    Keys and values are [B, K, S, H]; G = N // K query heads share each kv head. mask_BTS[b, t, s]
-    says whether query t of row b may read key s; bias_BNTS (optional, batch and T may be 1) is
-    added to the scores. kv_len (optional, traced): no query reads a slot >= kv_len, so only
+    Keys and values are [B, K, S, H], of any float dtype (read in float32); G = N // K query
+    heads share each kv head. mask_BTS[b, t, s] says whether query t of row b may read key s;
+    bias_BNTS (optional, batch and T may be 1) is added to the scores. kv_len (optional, traced): no query reads a slot >= kv_len, so only
     the first ceil(kv_len / BLOCK) blocks of keys are visited. A query with no visible key gets
     output 0 and lse -inf, never NaN.
     """

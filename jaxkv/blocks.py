@@ -47,16 +47,14 @@ def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, 
         k_cache, v_cache, slot_BT = kv
         k_BKSH = cache_lib.write(k_cache, k_BTKH, slot_BT)
         v_BKSH = cache_lib.write(v_cache, v_BTKH, slot_BT)
-    dtype = q_BTNH.dtype
-    own = (q_BTNH, k_BKSH.astype(dtype), v_BKSH.astype(dtype), mask_BTS, config.attn_scale,
-           bias_BNTS, kv_len)
+    # (attention reads keys and values of any dtype in float32)
+    own = (q_BTNH, k_BKSH, v_BKSH, mask_BTS, config.attn_scale, bias_BNTS, kv_len)
     if prefix is None:
         o_BTNH = attend(*own)
     else:
         k_PKSH, v_PKSH, mask_PS, prefix_len = prefix
-        shared = attend_shared(q_BTNH, k_PKSH.astype(dtype), v_PKSH.astype(dtype), mask_PS,
-                               config.attn_scale, prefix_len)
-        o_BTNH = merge_parts(*shared, *attend_parts(*own))[0].astype(dtype)
+        shared = attend_shared(q_BTNH, k_PKSH, v_PKSH, mask_PS, config.attn_scale, prefix_len)
+        o_BTNH = merge_parts(*shared, *attend_parts(*own))[0].astype(q_BTNH.dtype)
     return x_BTD + project_out(b, o_BTNH), (k_BKSH, v_BKSH)
 
 
@@ -66,8 +64,7 @@ def cross_attention(config, c, x_BTD, k_BKMH, v_BKMH, mask_BM):
     h_BTD = norm(x_BTD, c.norm, config.norm, config.norm_eps)
     q_BTNH = dense(h_BTD, c.wq, c.bq).reshape(B, T, config.n_heads, config.head_dim)
     mask_BTM = jnp.broadcast_to(mask_BM[:, None, :], (mask_BM.shape[0], T, mask_BM.shape[1]))
-    o_BTNH = attend(q_BTNH, k_BKMH.astype(q_BTNH.dtype), v_BKMH.astype(q_BTNH.dtype), mask_BTM,
-                    config.attn_scale)
+    o_BTNH = attend(q_BTNH, k_BKMH, v_BKMH, mask_BTM, config.attn_scale)
     return x_BTD + project_out(c, o_BTNH)
 
 

@@ -50,8 +50,8 @@ def init_cache(params, batch_size: int, max_len: int, dtype=None, *, encoder_inp
     if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"init_cache: dtype must be float32, bfloat16 or float16, got {dtype}")
     shape = (batch_size, c.n_kv_heads, max_len, c.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(c.n_layers))
-    cache = KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(c.n_layers)))
+    k, v = ([jnp.zeros(shape, dtype) for _ in range(c.n_layers)] for _ in "kv")
+    cache = KVCache(k=tuple(k), v=tuple(v))
     if c.is_encoder_decoder or encoder_inputs is not None:  # (errors name what is missing)
         cross_k, cross_v, mask_BM = encoder.cross_cache(params, encoder_inputs, encoder_lengths,
                                                         batch_size)
