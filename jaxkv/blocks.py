@@ -4,6 +4,8 @@ Each takes a pre-norm residual stream x_BTD and returns it updated; `b` is one l
 (or Cross) parameters.
 """
 
+import functools
+
 import jax.numpy as jnp
 
 from jaxkv import cache as cache_lib
@@ -34,28 +36,46 @@ def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, 
     """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)).
 
     kv is None when the keys are this call's tokens (uncached), or (k_BKSH, v_BKSH, slot_BT):
-    this call's keys are written at slot_BT and the cache is attended (masked; only slots below
-    kv_len, when given). prefix, optional, is (k_PKSH, v_PKSH, mask_PS, prefix_len): keys shared
-    by groups of B / P rows (a common prompt), attended once per group and merged with the rows'
-    own keys by log-sum-exp.
+    this call's tokens read the cache as it was (their own slots hidden; only slots below
+    kv_len, when given) and each other (mask_BTS at their slots), merged by log-sum-exp; then
+    their keys and values are written at slot_BT. prefix, optional, is (k_PKSH, v_PKSH,
+    mask_PS, prefix_len): keys shared by groups of B / P rows (a common prompt), attended once
+    per group and merged in the same way.
     """
     h_BTD = norm(x_BTD, b.attn_norm, config.norm, config.norm_eps)
     q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, h_BTD, pos_BT)
+    k_BKTH, v_BKTH = jnp.swapaxes(k_BTKH, 1, 2), jnp.swapaxes(v_BTKH, 1, 2)
     if kv is None:
-        k_BKSH, v_BKSH = jnp.swapaxes(k_BTKH, 1, 2), jnp.swapaxes(v_BTKH, 1, 2)
-    else:
-        k_cache, v_cache, slot_BT = kv
-        k_BKSH = cache_lib.write(k_cache, k_BTKH, slot_BT)
-        v_BKSH = cache_lib.write(v_cache, v_BTKH, slot_BT)
-    # (attention reads keys and values of any dtype in float32)
-    own = (q_BTNH, k_BKSH, v_BKSH, mask_BTS, config.attn_scale, bias_BNTS, kv_len)
-    if prefix is None:
-        o_BTNH = attend(*own)
-    else:
-        k_PKSH, v_PKSH, mask_PS, prefix_len = prefix
-        shared = attend_shared(q_BTNH, k_PKSH, v_PKSH, mask_PS, config.attn_scale, prefix_len)
-        o_BTNH = merge_parts(*shared, *attend_parts(*own))[0].astype(q_BTNH.dtype)
-    return x_BTD + project_out(b, o_BTNH), (k_BKSH, v_BKSH)
+        o_BTNH = attend(q_BTNH, k_BKTH, v_BKTH, mask_BTS, config.attn_scale, bias_BNTS)
+        return x_BTD + project_out(b, o_BTNH), (k_BKTH, v_BKTH)
+    k_cache, v_cache, slot_BT = kv
+    parts = [attend_parts(q_BTNH, k_cache, v_cache, hide_slots(mask_BTS, slot_BT),
+                          config.attn_scale, bias_BNTS, kv_len),
+             attend_parts(q_BTNH, k_BKTH, v_BKTH, at_slots(mask_BTS, slot_BT), config.attn_scale,
+                          None if bias_BNTS is None else at_slots(bias_BNTS, slot_BT[:, None]))]
+    if prefix is not None:
+        parts.append(attend_shared(q_BTNH, *prefix[:3], config.attn_scale, prefix[3]))
+    out_BTNH, _ = functools.reduce(lambda a, b: merge_parts(*a, *b), parts)
+    # The writes come after the reads and depend on them (+ 0 * output), which lets XLA update
+    # the cache in place; written while a read of it is pending, XLA copies the whole cache.
+    after_BT11 = 0 * out_BTNH[:, :, :1, :1]
+    k_BKSH = cache_lib.write(k_cache, k_BTKH + after_BT11, slot_BT)
+    v_BKSH = cache_lib.write(v_cache, v_BTKH + after_BT11, slot_BT)
+    return x_BTD + project_out(b, out_BTNH.astype(x_BTD.dtype)), (k_BKSH, v_BKSH)
+
+
+def hide_slots(mask_BTS, slot_BT):
+    """mask_BTS without the slots this call writes (slot_BT): the cache as it was holds no
+    keys of these tokens."""
+    written_BS = (jnp.arange(mask_BTS.shape[2]) == slot_BT[:, :, None]).any(1)
+    return mask_BTS & ~written_BS[:, None, :]
+
+
+def at_slots(x_BXTS, slot_BT):
+    """x_BXTS (a mask or bias, X any middle axes) at the slots this call's tokens write:
+    [..., T, T]; False / 0 where a slot is outside [0, S) (such a token is not stored)."""
+    index = jnp.broadcast_to(slot_BT[..., None, :], (*x_BXTS.shape[:-1], slot_BT.shape[-1]))
+    return jnp.take_along_axis(x_BXTS, index, axis=-1, mode="fill", fill_value=0)
 
 
 def cross_attention(config, c, x_BTD, k_BKMH, v_BKMH, mask_BM):

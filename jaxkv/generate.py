@@ -1,4 +1,4 @@
-"""generate: prefill, then a lax.scan of decode_step, compiled as one program."""
+"""generate: prefill, then a while loop of decode_step, compiled as one program."""
 
 import functools
 
@@ -90,14 +90,16 @@ class _Decoding:
     pos: jax.Array  # [B] int32, where the next token goes
     seen: jax.Array  # [B, V] bool, tokens the repetition penalty applies to
     done: jax.Array  # [B] bool, the row has emitted EOS
+    tokens: jax.Array  # [max_new_tokens, B] int32, pad_id where not yet drawn
+    t: jax.Array  # int32, the index of the next token
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token", "mesh"))
 def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id,
                   suppress_V, begin_suppress_V, encoder_inputs=None, encoder_lengths=None, *,
                   max_new_tokens: int, capacity: int, on_token=None, mesh=None):
-    """The compiled program behind generate: (encoder and cross K/V,) prefill, then a scan of
-    sample + decode_step."""
+    """The compiled program behind generate: (encoder and cross K/V,) prefill, then a while
+    loop of sample + decode_step that stops when every row has ended."""
     count_trace("generate")
     B, T = tokens_BT.shape
     V = params.config.vocab_size
@@ -106,28 +108,32 @@ def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B
                                        encoder_lengths=encoder_lengths), mesh)
     logits_BV, cache = prefill_padded(params, cache, tokens_BT, lengths_B,
                                       jnp.zeros((B,), jnp.int32))
-    cache = constrain_cache(cache, mesh)
     prompt_BT = jnp.where(jnp.arange(T) < lengths_B[:, None], tokens_BT, V)
     seen_BV = jnp.zeros((B, V), bool).at[rows_B1, prompt_BT].set(True, mode="drop")
-    state = _Decoding(cache, logits_BV, lengths_B, seen_BV, jnp.zeros((B,), bool))
+    state = _Decoding(constrain_cache(cache, mesh), logits_BV, lengths_B, seen_BV,
+                      jnp.zeros((B,), bool), jnp.full((max_new_tokens, B), pad_id, jnp.int32),
+                      jnp.int32(0))
 
-    def step(s: _Decoding, t):
-        banned_V = suppress_V | (begin_suppress_V & (t == 0))
+    def draw(s: _Decoding) -> _Decoding:
+        """Token s.t of every row (pad_id after its EOS), recorded; logits and cache as they were."""
+        banned_V = suppress_V | (begin_suppress_V & (s.t == 0))
         logits_BV = jnp.where(banned_V, -jnp.inf, s.logits)
-        token_B = jnp.where(s.done, pad_id, sample(logits_BV, sampling, keys_B, t, s.seen))
+        token_B = jnp.where(s.done, pad_id, sample(logits_BV, sampling, keys_B, s.t, s.seen))
         if on_token is not None:
             io_callback(on_token, None, token_B, ordered=True)
-        done_B = s.done | jnp.isin(token_B, eos_E)
-        # The last step's logits are never used, nor those after every row has ended.
-        logits_BV, cache = jax.lax.cond(
-            jnp.all(done_B) | (t == max_new_tokens - 1), lambda: (s.logits, s.cache),
-            lambda: decode_step(params, s.cache, token_B, s.pos))
-        cache = constrain_cache(cache, mesh)
-        seen_BV = s.seen.at[rows_B1[:, 0], token_B].set(True)
-        return _Decoding(cache, logits_BV, s.pos + 1, seen_BV, done_B), token_B
+        return s.replace(seen=s.seen.at[rows_B1[:, 0], token_B].set(True),
+                         done=s.done | jnp.isin(token_B, eos_E), tokens=s.tokens.at[s.t].set(token_B),
+                         t=s.t + 1)
 
-    _, tokens_TB = jax.lax.scan(step, state, jnp.arange(max_new_tokens))
-    tokens_BT = tokens_TB.T
+    def step(s: _Decoding) -> _Decoding:
+        s = draw(s)
+        logits_BV, cache = decode_step(params, s.cache, s.tokens[s.t - 1], s.pos)
+        return s.replace(cache=constrain_cache(cache, mesh), logits=logits_BV, pos=s.pos + 1)
+
+    # The last token needs no decode step after it; nor does anything once every row has ended.
+    state = jax.lax.while_loop(lambda s: (s.t < max_new_tokens - 1) & ~jnp.all(s.done), step,
+                               state)
+    tokens_BT = draw(state).tokens.T
     is_eos_BT = jnp.isin(tokens_BT, eos_E)
     lengths_B = jnp.where(is_eos_BT.any(-1), jnp.argmax(is_eos_BT, -1) + 1, max_new_tokens)
     return tokens_BT, lengths_B.astype(jnp.int32)

@@ -65,6 +65,7 @@ def test_eos_stops_a_row_and_pads(llama):
 
 def test_compiled_once(llama):
     """One trace across steps, sampling-parameter values, keys and prompt lengths in a bucket."""
+    jax.clear_caches()  # (an earlier test may have compiled the same signatures)
     jaxkv.trace_counts.clear()
     settings = [dict(), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8),
                 dict(temperature=0.5, min_p=0.1, repetition_penalty=1.2),
@@ -78,6 +79,7 @@ def test_compiled_once(llama):
 
 
 def test_jitted_decode_step_and_prefill_trace_once(llama):
+    jax.clear_caches()  # (an earlier test may have compiled the same signatures)
     jaxkv.trace_counts.clear()
     step = jax.jit(jaxkv.decode_step, donate_argnames="cache")
     for length in (4, 9, 13):  # one bucket

@@ -157,6 +157,7 @@ def test_ragged_forests_pad_without_effect_and_compile_once(llama):
     forests = [random_forest(rng, n, 2) for n in (9, 14, 5)]
     tokens = [rng.integers(0, 97, len(p)) for p in forests]
     prefixes = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
+    jax.clear_caches()  # (an earlier test may have compiled the same signatures)
     jaxkv.trace_counts.clear()
     batched = md.forest_logits(llama, tokens, forests, prefix=md.make_prefix(llama, prefixes))
     assert np.isfinite(np.asarray(batched)).all()
