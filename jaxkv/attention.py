@@ -10,47 +10,73 @@ import jax.numpy as jnp
 BLOCK = 256  # key slots per block when attention is bounded by the filled length
 
 
-def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None):
+def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None,
+                 own=None):
     """Attention output [B, T, N, H] (float32) and its log-sum-exp [B, T, N].
 
     Keys and values are [B, K, S, H], of any float dtype (read in float32); G = N // K query
     heads share each kv head. mask_BTS[b, t, s] says whether query t of row b may read key s;
-    bias_BNTS (optional, batch and T may be 1) is added to the scores. kv_len (optional, traced): no query reads a slot >= kv_len, so only
-    the first ceil(kv_len / BLOCK) blocks of keys are visited. A query with no visible key gets
-    output 0 and lse -inf, never NaN.
+    bias_BNTS (optional, batch and T may be 1) is added to the scores. kv_len (optional,
+    traced): no query reads a slot >= kv_len, so only the first ceil(kv_len / BLOCK) blocks of
+    keys are visited. own (optional): a second key set (k_BKUH, v_BKUH, mask_BTU, bias_BNTU or
+    None), e.g. the call's own tokens, attended together with the first. A query with no
+    visible key gets output 0 and lse -inf, never NaN.
     """
+    keys = [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS)]
     S = k_BKSH.shape[2]
     if kv_len is None or bias_BNTS is not None or S <= BLOCK:
-        return _attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS)
-    return _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len)
+        return _attend_dense(q_BTNH, keys + ([] if own is None else [own]), scale)
+    return _attend_blocks(q_BTNH, *keys[0][:3], scale, kv_len, own)
 
 
-def _attend_dense(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS=None):
+def _attend_dense(q_BTNH, keys, scale):
+    """One softmax over the union of key sets [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS), ...]."""
     B, T, N, H = q_BTNH.shape
-    K = k_BKSH.shape[1]
+    K = keys[0][0].shape[1]
     # Scores and weighted sums in float32 (XLA:CPU has no bfloat16 x bfloat16 -> float32 dot).
-    k_BKSH, v_BKSH = k_BKSH.astype(jnp.float32), v_BKSH.astype(jnp.float32)
     q_BTKGH = q_BTNH.astype(jnp.float32).reshape(B, T, K, N // K, H)
-    scores_BKGTS = jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH) * scale
-    if bias_BNTS is not None:
-        b, _, t, s = bias_BNTS.shape
-        scores_BKGTS = scores_BKGTS + bias_BNTS.reshape(b, K, N // K, t, s)
-    mask_B11TS = mask_BTS[:, None, None]
-    scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, -jnp.inf)
+    scores = []
+    for k_BKSH, _, mask_BTS, bias_BNTS in keys:
+        scores_BKGTS = _scores(q_BTKGH, k_BKSH.astype(jnp.float32)) * scale
+        if bias_BNTS is not None:
+            b, _, t, s = bias_BNTS.shape
+            scores_BKGTS = scores_BKGTS + bias_BNTS.reshape(b, K, N // K, t, s)
+        scores.append(jnp.where(mask_BTS[:, None, None], scores_BKGTS, -jnp.inf))
+    scores_BKGTS = jnp.concatenate(scores, -1)
     max_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)
     max_BKGT1 = jnp.where(jnp.isfinite(max_BKGT1), max_BKGT1, 0.0)
     weights_BKGTS = jnp.exp(scores_BKGTS - max_BKGT1)
     total_BKGT = weights_BKGTS.sum(-1)
-    out_BTKGH = jnp.einsum("BKGTS,BKSH->BTKGH", weights_BKGTS, v_BKSH)
+    out_BTKGH, start = 0.0, 0
+    for _, v_BKSH, _, _ in keys:
+        S = v_BKSH.shape[2]
+        out_BTKGH = out_BTKGH + _weighted(weights_BKGTS[..., start: start + S],
+                                          v_BKSH.astype(jnp.float32))
+        start += S
     total_BTKG = jnp.moveaxis(total_BKGT, 3, 1)
     out_BTKGH = out_BTKGH / jnp.maximum(total_BTKG, jnp.finfo(jnp.float32).tiny)[..., None]
     lse_BTKG = jnp.moveaxis(max_BKGT1[..., 0], 3, 1) + jnp.log(total_BTKG)
     return out_BTKGH.reshape(B, T, N, H), lse_BTKG.reshape(B, T, N)
 
 
-def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len):
-    """Online softmax over BLOCK-slot blocks [0, ceil(kv_len / BLOCK)): shapes stay static,
-    work follows the filled length, not the capacity."""
+def _scores(q_BTKGH, k_BKSH):
+    """q . k for every query and key: [B, K, G, T, S]."""
+    if k_BKSH.shape[2] == 1:  # one key (a decode step's own): elementwise, no GEMM call on CPU
+        k_B1K1H = k_BKSH[:, :, 0][:, None, :, None, :]
+        return jnp.moveaxis(jnp.sum(q_BTKGH * k_B1K1H, -1), 1, 3)[..., None]
+    return jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH)
+
+
+def _weighted(w_BKGTS, v_BKSH):
+    """Sum of values by weight: [B, T, K, G, H]."""
+    if v_BKSH.shape[2] == 1:
+        return jnp.moveaxis(w_BKGTS[..., 0], 3, 1)[..., None] * v_BKSH[:, :, 0][:, None, :, None]
+    return jnp.einsum("BKGTS,BKSH->BTKGH", w_BKGTS, v_BKSH)
+
+
+def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own=None):
+    """Online softmax over BLOCK-slot blocks [0, ceil(kv_len / BLOCK)) (and the own keys, as
+    the starting state): shapes stay static, work follows the filled length, not the capacity."""
     B, T, N, H = q_BTNH.shape
     S = k_BKSH.shape[2]
 
@@ -62,12 +88,15 @@ def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len):
         v_blk = jax.lax.dynamic_slice_in_dim(v_BKSH, start, BLOCK, axis=2)
         mask_blk = jax.lax.dynamic_slice_in_dim(mask_BTS, start, BLOCK, axis=2)
         mask_blk = mask_blk & (slot_S >= i * BLOCK)
-        part = _attend_dense(q_BTNH, k_blk, v_blk, mask_blk, scale)
+        part = _attend_dense(q_BTNH, [(k_blk, v_blk, mask_blk, None)], scale)
         return merge_parts(*carry, *part)
 
-    empty = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf))
+    if own is None:
+        first = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf))
+    else:
+        first = _attend_dense(q_BTNH, [own], scale)
     n_blocks = (jnp.minimum(kv_len, S) + BLOCK - 1) // BLOCK
-    return jax.lax.fori_loop(0, n_blocks, block, empty)
+    return jax.lax.fori_loop(0, n_blocks, block, first)
 
 
 def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None):

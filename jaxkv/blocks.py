@@ -4,8 +4,6 @@ Each takes a pre-norm residual stream x_BTD and returns it updated; `b` is one l
 (or Cross) parameters.
 """
 
-import functools
-
 import jax.numpy as jnp
 
 from jaxkv import cache as cache_lib
@@ -37,10 +35,10 @@ def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, 
 
     kv is None when the keys are this call's tokens (uncached), or (k_BKSH, v_BKSH, slot_BT):
     this call's tokens read the cache as it was (their own slots hidden; only slots below
-    kv_len, when given) and each other (mask_BTS at their slots), merged by log-sum-exp; then
-    their keys and values are written at slot_BT. prefix, optional, is (k_PKSH, v_PKSH,
+    kv_len, when given) and each other (mask_BTS at their slots) in one softmax; then their
+    keys and values are written at slot_BT. prefix, optional, is (k_PKSH, v_PKSH,
     mask_PS, prefix_len): keys shared by groups of B / P rows (a common prompt), attended once
-    per group and merged in the same way.
+    per group and merged by log-sum-exp.
     """
     h_BTD = norm(x_BTD, b.attn_norm, config.norm, config.norm_eps)
     q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, h_BTD, pos_BT)
@@ -49,13 +47,13 @@ def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, 
         o_BTNH = attend(q_BTNH, k_BKTH, v_BKTH, mask_BTS, config.attn_scale, bias_BNTS)
         return x_BTD + project_out(b, o_BTNH), (k_BKTH, v_BKTH)
     k_cache, v_cache, slot_BT = kv
-    parts = [attend_parts(q_BTNH, k_cache, v_cache, hide_slots(mask_BTS, slot_BT),
-                          config.attn_scale, bias_BNTS, kv_len),
-             attend_parts(q_BTNH, k_BKTH, v_BKTH, at_slots(mask_BTS, slot_BT), config.attn_scale,
-                          None if bias_BNTS is None else at_slots(bias_BNTS, slot_BT[:, None]))]
+    own = (k_BKTH, v_BKTH, at_slots(mask_BTS, slot_BT),
+           None if bias_BNTS is None else at_slots(bias_BNTS, slot_BT[:, None]))
+    out_BTNH, lse_BTN = attend_parts(q_BTNH, k_cache, v_cache, hide_slots(mask_BTS, slot_BT),
+                                     config.attn_scale, bias_BNTS, kv_len, own)
     if prefix is not None:
-        parts.append(attend_shared(q_BTNH, *prefix[:3], config.attn_scale, prefix[3]))
-    out_BTNH, _ = functools.reduce(lambda a, b: merge_parts(*a, *b), parts)
+        shared = attend_shared(q_BTNH, *prefix[:3], config.attn_scale, prefix[3])
+        out_BTNH, _ = merge_parts(out_BTNH, lse_BTN, *shared)
     # The writes come after the reads and depend on them (+ 0 * output), which lets XLA update
     # the cache in place; written while a read of it is pending, XLA copies the whole cache.
     after_BT11 = 0 * out_BTNH[:, :, :1, :1]

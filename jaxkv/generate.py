@@ -115,15 +115,15 @@ def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B
                       jnp.int32(0))
 
     def draw(s: _Decoding) -> _Decoding:
-        """Token s.t of every row (pad_id after its EOS), recorded; logits and cache as they were."""
+        """Token s.t of every row (pad_id after its EOS), recorded; logits and cache unchanged."""
         banned_V = suppress_V | (begin_suppress_V & (s.t == 0))
         logits_BV = jnp.where(banned_V, -jnp.inf, s.logits)
         token_B = jnp.where(s.done, pad_id, sample(logits_BV, sampling, keys_B, s.t, s.seen))
         if on_token is not None:
             io_callback(on_token, None, token_B, ordered=True)
         return s.replace(seen=s.seen.at[rows_B1[:, 0], token_B].set(True),
-                         done=s.done | jnp.isin(token_B, eos_E), tokens=s.tokens.at[s.t].set(token_B),
-                         t=s.t + 1)
+                         done=s.done | jnp.isin(token_B, eos_E),
+                         tokens=s.tokens.at[s.t].set(token_B), t=s.t + 1)
 
     def step(s: _Decoding) -> _Decoding:
         s = draw(s)
@@ -147,7 +147,8 @@ def generate(params, prompts, max_new_tokens: int, **options):
     sequences, None meaning off; key: one key (row b uses fold_in(key, b)) or [B] keys;
     eos_id: an id or a list of ids; after a row's EOS its tokens are pad_id (default: the first
     EOS id) and its length counts the EOS; max_len: the cache capacity (default: prompt bucket +
-    max_new_tokens); on_token(token [B]): called from inside the compiled loop at each step;
+    max_new_tokens); on_token(token [B]): called from inside the compiled loop for each token
+    drawn (generation stops early once every row has ended);
     mesh: a jax.sharding.Mesh with axes ("data", "model") (see jaxkv.sharding.make_mesh): rows
     are split over "data", heads / MLP width / vocabulary over "model".
     """

@@ -74,6 +74,23 @@ def test_decode_step_under_vmap(llama):
         np.testing.assert_allclose(logits_XBV[x], logits_BV, atol=1e-6, rtol=0)
 
 
+def test_decode_step_under_lax_scan_gives_generates_tokens(llama):
+    """decode_step driven by lax.scan (greedy) picks the tokens generate picks."""
+    prompts_BT = random_tokens(5, (2, 6))
+    expect_BT, _ = jaxkv.generate(llama, prompts_BT, 8)
+    logits_BV, cache = jaxkv.prefill(llama, jaxkv.init_cache(llama, 2, 16), prompts_BT)
+
+    def step(carry, _):
+        logits_BV, cache, pos_B = carry
+        token_B = jnp.argmax(logits_BV, -1).astype(jnp.int32)
+        logits_BV, cache = jaxkv.decode_step(llama, cache, token_B, pos_B)
+        return (logits_BV, cache, pos_B + 1), token_B
+
+    _, tokens_TB = jax.jit(lambda c: jax.lax.scan(step, c, None, length=8))(
+        (logits_BV, cache, jnp.full((2,), 6)))
+    np.testing.assert_array_equal(tokens_TB.T, expect_BT)
+
+
 def test_bfloat16_cache_stays_close(llama):
     tokens_BT = random_tokens(4, (1, 10))
     ref_BV = jaxkv.forward(llama, tokens_BT)[:, -1]
