@@ -38,17 +38,23 @@ def rope(x_BTNH, pos_BT, theta: float):
     return out.astype(x_BTNH.dtype)
 
 
-def dense(x_BTI, w_OI, b_O=None, dtype=None):
+def dense(x_BTI, w_OI, b_O=None, dtype=None, after_attention=False):
     """x @ w.T (+ b) with w stored [out, in]: a matrix-vector product streams w's rows.
 
-    Accumulates in float32; the result has x's dtype unless dtype is given. Written for
-    XLA:CPU's fast paths (other backends do well with either form): a single bfloat16 row
-    (batch-1 decoding) as x @ w.T, which it fuses into one pass over w (the einsum form is
-    ~20x slower there); otherwise an einsum with a float32 result (~6x faster than a bfloat16
-    one for several rows).
+    Accumulates in float32; the result has x's dtype unless dtype is given. The form is chosen
+    for XLA:CPU (other backends compile both to the same product; measured with
+    scripts/profile_step.py):
+    - a single row (batch-1 decoding) is written x @ w.T, which XLA:CPU fuses with the
+      producers of x into one loop over w's rows, split over the cores: ~1.3x faster than its
+      GEMV call in float32, ~20x faster in bfloat16, which has no fast call;
+    - but a float32 row calls GEMV (einsum) where that loop goes wrong: with a bias (XLA fuses
+      the add into the product and copies w transposed on every call) or right after attention
+      (after_attention=True: the loop ran 3-6x slower there);
+    - several rows go to an einsum with a float32 result (~6x faster than a bfloat16 one).
     """
     B, T, I = x_BTI.shape
-    if B * T == 1 and x_BTI.dtype != jnp.float32:
+    gemv_call = x_BTI.dtype == jnp.float32 and (b_O is not None or after_attention)
+    if B * T == 1 and not gemv_call:
         y_BTO = (x_BTI.reshape(1, I) @ w_OI.T).reshape(B, T, -1)
     else:
         y_BTO = jnp.einsum("BTI,OI->BTO", x_BTI, w_OI, preferred_element_type=jnp.float32)

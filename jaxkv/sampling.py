@@ -84,11 +84,21 @@ def filter_logits(logits_BV, top_k_B, top_p_B, min_p_B):
     return jnp.where(logits_BV >= threshold_B1, logits_BV, -jnp.inf)
 
 
+def argmax(x_BV):
+    """jnp.argmax over the last axis ([B] int32: the first maximum, NaN counting as the largest),
+    as a max and a min: XLA:CPU runs the pair ~4x faster than argmax's (value, index) reduction
+    (0.05 vs 0.22 ms over SmolLM2's 49152 logits)."""
+    max_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
+    hit_BV = (x_BV == max_B1) | jnp.isnan(x_BV)
+    return jnp.min(jnp.where(hit_BV, jnp.arange(x_BV.shape[-1]), x_BV.shape[-1]), -1).astype(
+        jnp.int32)
+
+
 def sample(logits_BV, params: SamplingParams, keys_B, step, seen_BV):
     """Next token [B] int32. seen_BV marks the tokens the repetition penalty applies to."""
     logits_BV = apply_repetition_penalty(logits_BV.astype(jnp.float32), seen_BV,
                                          params.repetition_penalty)
-    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    greedy_B = argmax(logits_BV)
 
     def draw():
         temperature_B1 = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
@@ -99,7 +109,7 @@ def sample(logits_BV, params: SamplingParams, keys_B, step, seen_BV):
         V = logits_BV.shape[-1]
         gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, step), (V,)))(
             keys_B)
-        sampled_B = jnp.argmax(scaled_BV + gumbel_BV, axis=-1).astype(jnp.int32)
+        sampled_B = argmax(scaled_BV + gumbel_BV)
         return jnp.where(params.temperature > 0, sampled_B, greedy_B)
 
     return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda: greedy_B)

@@ -1,9 +1,13 @@
 """Decode speed against Hugging Face transformers and the memory-bandwidth floor, one run.
 
 For each model x dtype x batch: prompt 32 tokens, 128 new tokens, greedy.
-  jaxkv   jaxkv.generate (prefill + lax.scan of decode_step, one compiled program)
+  jaxkv   jaxkv.generate (prefill + a while loop of decode_step, one compiled program)
   hf      transformers generate with its KV cache, same weights, same prompts
-  probe   memory bandwidth: a large numpy copy (read + written bytes / s) and a jitted sum
+  probe   memory bandwidth: a jitted sum of 512 MiB (bytes read / s) and a numpy copy (bytes
+          read + written / s); MBU divides by the faster
+
+jaxkv, HF and the probe run in turn, round after round (best of --repeats / --hf-repeats
+each), so a slow spell of a shared machine falls on all three and the ratios hold.
 
 time to first token = a 1-token generate; ms/token = (t(128 new) - t(1 new)) / 127; compile =
 first call - steady call. MBU = bytes one decode step must read (weights + the filled cache at
@@ -38,19 +42,17 @@ RANDOM_MODELS = {  # transformers config class, kwargs: random weights saved wit
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def bandwidth_probe(megabytes=512, repeats=5):
-    """Memory bandwidth in bytes/s: a numpy copy (bytes read + written) and a jitted sum (bytes
-    read); MBU divides by the larger, so it is never flattered by a slow probe."""
+def bandwidth_probe(megabytes=512):
+    """({name: run}, {name: bytes moved by one run}) measuring memory bandwidth: a jitted sum
+    (bytes read) and a numpy copy (bytes read + written). MBU divides by the faster."""
     n = megabytes * 2**20 // 4
     x = jnp.ones((n,), jnp.float32)
     read = jax.jit(jnp.sum)
-    jax.block_until_ready(read(x))
-    best_read = min(_seconds(lambda: jax.block_until_ready(read(x))) for _ in range(repeats))
     a = np.ones(n, np.float32)
     b = np.empty_like(a)
-    best_copy = min(_seconds(lambda: np.copyto(b, a)) for _ in range(repeats))
-    probe = {"numpy_copy": 8 * n / best_copy, "jax_read": 4 * n / best_read}
-    return {**probe, "bytes_per_s": max(probe.values())}
+    runs = {"jax_read": lambda: jax.block_until_ready(read(x)), "numpy_copy": lambda: np.copyto(b, a)}
+    runs["jax_read"]()
+    return runs, {"jax_read": 4 * n, "numpy_copy": 8 * n}
 
 
 def _seconds(run):
@@ -97,19 +99,18 @@ def step_bytes(params, batch, prompt_len, new_tokens):
     return total + 2 * c.n_layers * batch * c.n_kv_heads * c.head_dim * filled * itemsize
 
 
-def time_jaxkv(params, prompts, new_tokens, repeats):
-    def run(n):
-        return lambda: jax.block_until_ready(jaxkv.generate(params, prompts, n))
-
-    first = {n: _seconds(run(n)) for n in (1, new_tokens)}
-    counts = dict(jaxkv.trace_counts)
-    steady = {n: min(_seconds(run(n)) for _ in range(repeats)) for n in (1, new_tokens)}
-    assert dict(jaxkv.trace_counts) == counts, "jaxkv recompiled after warm-up"
-    tokens = np.asarray(jaxkv.generate(params, prompts, new_tokens)[0])
-    return first[new_tokens] - steady[new_tokens], steady, tokens
+def jaxkv_runner(params, prompts, new_tokens):
+    """{n: run generating n tokens}, compiled (compile seconds), and greedy tokens."""
+    runs = {n: (lambda n=n: jax.block_until_ready(jaxkv.generate(params, prompts, n)))
+            for n in (1, new_tokens)}
+    first = _seconds(runs[new_tokens])
+    runs[1]()
+    compile_s = first - _seconds(runs[new_tokens])
+    return runs, compile_s, np.asarray(jaxkv.generate(params, prompts, new_tokens)[0])
 
 
-def time_hf(model, prompts, new_tokens, repeats):
+def hf_runner(model, prompts, new_tokens):
+    """{n: run generating n tokens} with transformers' generate (KV cache on, greedy), warm."""
     import torch
 
     ids = torch.tensor(prompts, device=model.device)
@@ -124,8 +125,20 @@ def time_hf(model, prompts, new_tokens, repeats):
         return out
 
     run(2)  # warm-up
-    steady = {n: min(_seconds(lambda: run(n)) for _ in range(repeats)) for n in (1, new_tokens)}
-    return steady, run(new_tokens)[:, ids.shape[1]:].cpu().numpy()
+    runs = {n: (lambda n=n: run(n)) for n in (1, new_tokens)}
+    return runs, run(new_tokens)[:, ids.shape[1]:].cpu().numpy()
+
+
+def best_times(runners):
+    """{name: {n: best seconds}} of runners {name: (runs, repeats)}, interleaved round by round
+    so that a slow spell of a shared machine falls on all of them alike."""
+    best = {name: {n: float("inf") for n in runs} for name, (runs, _) in runners.items()}
+    for i in range(max(repeats for _, repeats in runners.values())):
+        for name, (runs, repeats) in runners.items():
+            for n, run in runs.items():
+                if i < repeats:
+                    best[name][n] = min(best[name][n], _seconds(run))
+    return best
 
 
 def summarize(steady, batch, new_tokens):
@@ -133,20 +146,27 @@ def summarize(steady, batch, new_tokens):
     return dict(ttft_ms=1e3 * steady[1], ms_per_token=ms, tokens_per_s=1e3 * batch / ms)
 
 
-def bench_cell(name, dtype, batch, params, hf_model, args, bandwidth):
+def bench_cell(name, dtype, batch, params, hf_model, args, probe):
     prompts = np.random.default_rng(batch).integers(
         0, params.config.vocab_size, (batch, args.prompt_len)).tolist()
-    compile_s, steady, ours = time_jaxkv(params, prompts, args.new_tokens, args.repeats)
-    row = dict(model=name, dtype=dtype, batch=batch, compile_s=compile_s,
-               **summarize(steady, batch, args.new_tokens))
-    row["step_bytes"] = step_bytes(params, batch, args.prompt_len, args.new_tokens)
-    row["mbu"] = row["step_bytes"] / (row["ms_per_token"] / 1e3) / bandwidth
+    ours, compile_s, our_tokens = jaxkv_runner(params, prompts, args.new_tokens)
+    runners = {"jaxkv": (ours, args.repeats), "probe": (probe[0], args.repeats)}
     if hf_model is not None:
-        hf_steady, theirs = time_hf(hf_model, prompts, args.new_tokens, args.hf_repeats)
-        hf = summarize(hf_steady, batch, args.new_tokens)
+        hf_runs, hf_tokens = hf_runner(hf_model, prompts, args.new_tokens)
+        runners["hf"] = (hf_runs, args.hf_repeats)
+    counts = dict(jaxkv.trace_counts)
+    best = best_times(runners)
+    assert dict(jaxkv.trace_counts) == counts, "jaxkv recompiled after warm-up"
+    row = dict(model=name, dtype=dtype, batch=batch, compile_s=compile_s,
+               **summarize(best["jaxkv"], batch, args.new_tokens))
+    row["step_bytes"] = step_bytes(params, batch, args.prompt_len, args.new_tokens)
+    row["bandwidth"] = {k: n / best["probe"][k] for k, n in probe[1].items()}
+    row["mbu"] = row["step_bytes"] / (row["ms_per_token"] / 1e3) / max(row["bandwidth"].values())
+    if hf_model is not None:
+        hf = summarize(best["hf"], batch, args.new_tokens)
         row.update({f"hf_{k}": v for k, v in hf.items()})
         row["speedup_vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"]
-        row["greedy_tokens_equal_hf"] = float((ours == theirs).mean())
+        row["greedy_tokens_equal_hf"] = float((our_tokens == hf_tokens).mean())
     print(json.dumps(row), flush=True)
     return row
 
@@ -160,13 +180,12 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--hf-repeats", type=int, default=1)
+    ap.add_argument("--hf-repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "jaxkv_bench"))
     ap.add_argument("--out", default="results/bench_decode")
     args = ap.parse_args()
     probe = bandwidth_probe()
-    print(json.dumps(probe), flush=True)
     rows = []
     for name in args.models:
         params32, hf_loader = load_models(name, args.workdir)
@@ -174,9 +193,9 @@ def main():
             params = jaxkv.cast(params32, DTYPES[dtype])
             hf_model = None if args.no_hf else hf_loader(_torch_dtype(dtype)).eval().to(
                 _torch_device())
-            rows += [bench_cell(name, dtype, b, params, hf_model, args, probe["bytes_per_s"])
+            rows += [bench_cell(name, dtype, b, params, hf_model, args, probe)
                      for b in args.batches]
-    report(args, probe, rows)
+    report(args, rows)
 
 
 def _torch_dtype(name):
@@ -192,11 +211,11 @@ def _torch_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def report(args, probe, rows):
+def report(args, rows):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     result = dict(device=jax.devices()[0].device_kind, platform=platform.platform(),
                   cpu_count=os.cpu_count(), jax=jax.__version__, prompt_len=args.prompt_len,
-                  new_tokens=args.new_tokens, bandwidth=probe, rows=rows)
+                  new_tokens=args.new_tokens, rows=rows)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     print(f"{'model':10s} {'dtype':8s} {'B':>3s} {'ms/tok':>7s} {'tok/s':>8s} {'TTFT ms':>8s} "
@@ -229,8 +248,9 @@ def plot(args, result):
                title=f"{model} {dtype}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
+    peak = max(max(r["bandwidth"].values()) for r in rows)
     fig.suptitle(f"decode, prompt {args.prompt_len} + {args.new_tokens} new, "
-                 f"{result['device']} (copy {result['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s)")
+                 f"{result['device']} (memory probe up to {peak / 1e9:.0f} GB/s)")
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=110)
 

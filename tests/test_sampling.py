@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from jaxkv.sampling import (apply_repetition_penalty, filter_logits, row_keys, sample,
+from jaxkv.sampling import (apply_repetition_penalty, argmax, filter_logits, row_keys, sample,
                             sampling_params)
 
 B, V = 6, 50
@@ -24,6 +24,16 @@ def hf_filter(logits, top_k=None, top_p=None, min_p=None):
                   ([hf.MinPLogitsWarper(min_p)] if min_p else []):
         x = warper(None, x)
     return np.isfinite(x.numpy())
+
+
+def test_argmax_is_jnp_argmax():
+    """Ties (first wins), NaN (counts as the largest), all -inf rows, and +inf."""
+    x = random_logits()
+    x[0, 7] = x[0, 30] = 9.0
+    x[1, 12], x[1, 40] = np.nan, np.nan
+    x[2] = -np.inf
+    x[3, 44] = np.inf
+    np.testing.assert_array_equal(argmax(jnp.asarray(x)), jnp.argmax(jnp.asarray(x), -1))
 
 
 @pytest.mark.parametrize("top_k, top_p, min_p", [
