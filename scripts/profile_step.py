@@ -71,8 +71,10 @@ def summarize(events, weights, n_steps, weight_bytes):
         dict(name=k, per_step=c / n_steps, ms_per_step=us / n_steps / 1e3, us_each=us / c)
         for k, (c, us) in items]
     by_weight = [dict(r, name=r["name"][0], weight=r["name"][1]) for r in rows(by_weight)]
-    for r in by_weight:  # one read of the array per call
-        r["gb_per_s"] = weight_bytes.get(r["weight"], np.nan) / (r["us_each"] * 1e-6) / 1e9
+    for r in by_weight:  # a product reads its whole weight once per call (a lookup does not)
+        product = any(word in r["name"] for word in ("dot", "gemm", "ynn", "matmul"))
+        r["gb_per_s"] = (weight_bytes.get(r["weight"], np.nan) / (r["us_each"] * 1e-6) / 1e9
+                         if product else np.nan)
     return rows(by_kind), by_weight, rows(by_name[:20])
 
 
