@@ -27,7 +27,7 @@ def project_qkv(config, b, h_BTD, pos_BT):
 def project_out(b, o_BTNH):
     """The attention output [B, T, N, H] projected back to the stream [B, T, D]."""
     B, T, N, H = o_BTNH.shape
-    return dense(o_BTNH.reshape(B, T, N * H), b.wo, b.bo, after_attention=True)
+    return dense(o_BTNH.reshape(B, T, N * H), b.wo, b.bo, gemv=True)
 
 
 def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, prefix=None,

@@ -38,7 +38,7 @@ def rope(x_BTNH, pos_BT, theta: float):
     return out.astype(x_BTNH.dtype)
 
 
-def dense(x_BTI, w_OI, b_O=None, dtype=None, after_attention=False):
+def dense(x_BTI, w_OI, b_O=None, dtype=None, gemv=False):
     """x @ w.T (+ b) with w stored [out, in]: a matrix-vector product streams w's rows.
 
     Accumulates in float32; the result has x's dtype unless dtype is given. The form is chosen
@@ -48,12 +48,13 @@ def dense(x_BTI, w_OI, b_O=None, dtype=None, after_attention=False):
       producers of x into one loop over w's rows, split over the cores: ~1.3x faster than its
       GEMV call in float32, ~20x faster in bfloat16, which has no fast call;
     - but a float32 row calls GEMV (einsum) where that loop goes wrong: with a bias (XLA fuses
-      the add into the product and copies w transposed on every call) or right after attention
-      (after_attention=True: the loop ran 3-6x slower there);
+      the add into the product and copies w transposed on every call), or when the caller
+      passes gemv=True because the loop would redo the work that made x for every row of w:
+      right after attention (3-6x slower) and after a gated activation (~5% of a step);
     - several rows go to an einsum with a float32 result (~6x faster than a bfloat16 one).
     """
     B, T, I = x_BTI.shape
-    gemv_call = x_BTI.dtype == jnp.float32 and (b_O is not None or after_attention)
+    gemv_call = x_BTI.dtype == jnp.float32 and (b_O is not None or gemv)
     if B * T == 1 and not gemv_call:
         y_BTO = (x_BTI.reshape(1, I) @ w_OI.T).reshape(B, T, -1)
     else:
@@ -71,4 +72,4 @@ def mlp(x_BTD, b, config: Config):
         h_BTF = act(gate_up_BTF2[..., 0]) * gate_up_BTF2[..., 1]
     else:
         h_BTF = act(h_BTF)
-    return dense(h_BTF, b.w_out, b.b_out)
+    return dense(h_BTF, b.w_out, b.b_out, gemv=config.gated_mlp)
