@@ -1,6 +1,7 @@
 """Grouped-query attention over an explicit mask, split attention merged by log-sum-exp, and
 T5's relative position bias."""
 
+import functools
 import math
 
 import jax
@@ -18,15 +19,20 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
     heads share each kv head. mask_BTS[b, t, s] says whether query t of row b may read key s;
     bias_BNTS (optional, batch and T may be 1) is added to the scores. kv_len (optional,
     traced): no query reads a slot >= kv_len, so only the first ceil(kv_len / BLOCK) blocks of
-    keys are visited. own (optional): a second key set (k_BKUH, v_BKUH, mask_BTU, bias_BNTU or
-    None), e.g. the call's own tokens, attended together with the first. A query with no
-    visible key gets output 0 and lse -inf, never NaN.
+    keys are visited (all of them in one pass once kv_len passes a third of the slots). own
+    (optional): a second key set (k_BKUH, v_BKUH, mask_BTU, bias_BNTU or None), e.g. the call's
+    own tokens, attended together with the first. A query with no visible key gets output 0 and
+    lse -inf, never NaN.
     """
-    keys = [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS)]
+    keys = [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS)] + ([] if own is None else [own])
     S = k_BKSH.shape[2]
     if kv_len is None or bias_BNTS is not None or S <= BLOCK:
-        return _attend_dense(q_BTNH, keys + ([] if own is None else [own]), scale)
-    return _attend_blocks(q_BTNH, *keys[0][:3], scale, kv_len, own)
+        return _attend_dense(q_BTNH, keys, scale)
+    # Past a third of the capacity one pass over every slot is cheaper than the block loop
+    # (each block is sliced out, a copy): SmolLM2 at capacity 8192, position 8000: 41 vs 75 ms.
+    dense = functools.partial(_attend_dense, q_BTNH, keys, scale)
+    blocks = functools.partial(_attend_blocks, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own)
+    return jax.lax.cond(3 * kv_len > S, dense, blocks)
 
 
 def _attend_dense(q_BTNH, keys, scale):

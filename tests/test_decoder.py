@@ -141,3 +141,19 @@ def test_decode_step_rejects_bad_input(llama, token, pos, match):
     cache = jaxkv.init_cache(llama, 1, 16)
     with pytest.raises(ValueError, match=match):
         jaxkv.decode_step(llama, cache, np.array(token), np.array(pos))
+
+
+@pytest.mark.parametrize("length", [300, 600])
+def test_decode_step_over_attention_blocks_equals_forward(length):
+    """Capacity 1600: at position 300 attention loops over 2 filled blocks of 256 slots; at 600
+    (past a third of the capacity) it makes one pass over every slot. Both equal forward."""
+    config = jaxkv.Config.llama(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                d_ff=96, max_seq_len=1600)
+    params = jaxkv.init_params(config, jax.random.key(3))
+    tokens_BT = random_tokens(6, (1, length + 1))
+    ref_BV = jaxkv.forward(params, tokens_BT)[:, -1]
+    cache = jaxkv.init_cache(params, 1, 1600)
+    _, cache = jaxkv.prefill(params, cache, tokens_BT[:, :length])
+    logits_BV, _ = jax.jit(jaxkv.decode_step)(params, cache, tokens_BT[:, length],
+                                              jnp.array([length]))
+    np.testing.assert_allclose(logits_BV, ref_BV, atol=TOL, rtol=0)
