@@ -1,11 +1,14 @@
 """Decode step time vs position for several cache capacities: attention visits only the filled
 blocks of the cache, so a step costs what is filled, not what is allocated.
 
-  blocked  decode_step as shipped: attention over ceil((max pos + 1) / BLOCK) slot blocks
+  blocked  decode_step as shipped: attention over ceil((max pos + 1) / BLOCK) slot blocks, or
+           one pass over every slot once they fill more than a third of the capacity
   dense    the same step with attention over every slot of the capacity (the naive way)
 
 Each point is a jitted lax.scan of --steps decode steps starting at that position (the cache
-donated, positions traced: one compile per capacity, asserted). Writes JSON + PNG.
+donated, positions traced: one compile per capacity, asserted), timed once per round, round
+after round (best of --repeats), so a slow spell of a shared machine falls on every point
+alike. Writes JSON + PNG.
 
   python scripts/bench_scaling.py                      # SmolLM2-135M, B=1, capacities to 8192
   python scripts/bench_scaling.py --capacities 320 2048 --positions 0 256   # quick
@@ -48,24 +51,36 @@ def run_steps(params, cache, pos_B, *, n_steps, bounded):
     return cache, token_B
 
 
-def ms_per_step(params, capacity, positions, args, bounded):
-    """{position: best ms per step over --repeats} for one capacity; compiles once."""
-    cache = jaxkv.init_cache(params, args.batch, capacity)
-    at = lambda p: jnp.full((args.batch,), p, jnp.int32)  # noqa: E731
-    cache, _ = jax.block_until_ready(run_steps(params, cache, at(0), n_steps=args.steps,
-                                               bounded=bounded))
+def step_runner(params, capacity, args, bounded):
+    """A function timing --steps steps from a position (seconds), over its own cache, warm."""
+    state = {"cache": jaxkv.init_cache(params, args.batch, capacity)}
+
+    def run(position):
+        pos_B = jnp.full((args.batch,), position, jnp.int32)
+        start = time.perf_counter()
+        state["cache"], _ = jax.block_until_ready(run_steps(
+            params, state["cache"], pos_B, n_steps=args.steps, bounded=bounded))
+        return time.perf_counter() - start
+
+    run(0)
+    return run
+
+
+def ms_per_step(params, args):
+    """{(capacity, attention, position): best ms per step}: every point timed once per round,
+    round after round, so a slow spell of a shared machine falls on all of them alike."""
+    runs = {(c, bounded): step_runner(params, c, args, bounded)
+            for c in args.capacities for bounded in (True, False)}
     counts = dict(jaxkv.trace_counts)
-    out = {}
-    for p in positions:
-        best = float("inf")
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            cache, _ = jax.block_until_ready(run_steps(params, cache, at(p), n_steps=args.steps,
-                                                       bounded=bounded))
-            best = min(best, time.perf_counter() - start)
-        out[p] = 1e3 * best / args.steps
+    best = {}
+    for _ in range(args.repeats):
+        for (capacity, bounded), run in runs.items():
+            for p in args.positions:
+                if p + args.steps <= capacity:
+                    key = (capacity, "blocked" if bounded else "dense", p)
+                    best[key] = min(best.get(key, float("inf")), 1e3 * run(p) / args.steps)
     assert dict(jaxkv.trace_counts) == counts, "recompiled after warm-up"
-    return out
+    return best
 
 
 def main():
@@ -84,14 +99,10 @@ def main():
 
         args.model = default_model()
     params = jaxkv.load(args.model)
-    rows = []
-    for capacity in args.capacities:
-        positions = [p for p in args.positions if p + args.steps <= capacity]
-        for bounded in (True, False):
-            for p, ms in ms_per_step(params, capacity, positions, args, bounded).items():
-                rows.append(dict(capacity=capacity, position=p, ms_per_step=ms,
-                                 attention="blocked" if bounded else "dense"))
-                print(json.dumps(rows[-1]), flush=True)
+    rows = [dict(capacity=c, position=p, ms_per_step=ms, attention=a)
+            for (c, a, p), ms in sorted(ms_per_step(params, args).items())]
+    for row in rows:
+        print(json.dumps(row))
     report(args, params, rows)
 
 
