@@ -14,7 +14,8 @@ first call - steady call. MBU = bytes one decode step must read (weights + the f
 the mean position) / ms per step / the probe's read bandwidth (a step only reads); mbu_vs_add
 divides by the add probe's read + written rate instead, a stricter yardstick. Weights are those
 of the model being run: SmolLM2-135M-Instruct (real, GGUF), GPT-2-124M and Llama-1B shapes
-(random, saved locally with transformers and loaded by both). Writes JSON + PNG; asserts nothing recompiles after warm-up.
+(random, saved locally with transformers and loaded by both). Writes JSON + PNG; asserts
+nothing recompiles after warm-up.
 
   python scripts/bench_decode.py                                  # CPU grid (~15 min, 2 cores)
   python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32   # quick
@@ -49,10 +50,10 @@ def bandwidth_probe(megabytes=512, passes=16):
     same spells of a shared machine): "read", a jitted sum (bytes read, the traffic of a decode
     step), and "add", y = x + y in place (STREAM's add: two arrays read, one written)."""
     n = megabytes * 2**20 // 4
-    x, y = jnp.ones((n,), jnp.float32), jnp.ones((n,), jnp.float32)
+    x = jnp.ones((n,), jnp.float32)
+    state = {"y": jnp.ones((n,), jnp.float32)}  # add's output, donated back to it each pass
     read = jax.jit(jnp.sum)
     add = jax.jit(jnp.add, donate_argnums=1)
-    state = {"y": y}
 
     def read_all():
         jax.block_until_ready([read(x) for _ in range(passes)])
@@ -62,7 +63,8 @@ def bandwidth_probe(megabytes=512, passes=16):
             state["y"] = add(x, state["y"])
         jax.block_until_ready(state["y"])
 
-    read_all(), add_all()
+    read_all()
+    add_all()
     return {"read": read_all, "add": add_all}, {"read": 4 * n * passes, "add": 12 * n * passes}
 
 
@@ -236,7 +238,8 @@ def report(args, rows):
     for r in rows:
         print(f"{r['model']:10s} {r['dtype']:8s} {r['batch']:3d} {r['ms_per_token']:7.1f} "
               f"{r['tokens_per_s']:8.1f} {r['ttft_ms']:8.1f} {r['compile_s']:7.1f} "
-              f"{r['mbu']:5.2f} {r['mbu_vs_add']:5.2f} {r.get('hf_ms_per_token', float('nan')):9.1f} "
+              f"{r['mbu']:5.2f} {r['mbu_vs_add']:5.2f} "
+              f"{r.get('hf_ms_per_token', float('nan')):9.1f} "
               f"{r.get('speedup_vs_hf', float('nan')):6.2f}")
     plot(args, result)
 
