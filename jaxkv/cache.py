@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxkv import checks
+
 
 @struct.dataclass
 class KVCache:
@@ -40,9 +42,8 @@ def init_cache(params, batch_size: int, max_len: int, dtype=None, *, encoder_inp
     from jaxkv import encoder
 
     c = params.config
-    for name, value in (("batch_size", batch_size), ("max_len", max_len)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
+    batch_size = checks.int_arg(batch_size, "init_cache: batch_size")
+    max_len = checks.int_arg(max_len, "init_cache: max_len")
     if c.position == "learned" and max_len > c.max_seq_len:
         raise ValueError(f"init_cache: max_len={max_len} exceeds the model's {c.max_seq_len} "
                          "learned positions")

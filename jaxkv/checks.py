@@ -1,12 +1,51 @@
 """Argument validation: bad input gets an error naming the argument, what was expected and what
-came. Value checks run only on concrete arrays; under jit they are skipped (shapes still checked).
+came.
+
+Shapes, dtypes and the cache's layout are checked when a function is traced (they are static).
+Values (token ids, positions, lengths) are checked at once when they are concrete, and inside
+jit / lax.scan / vmap by a check compiled into the program: a lax.cond that, only when a value
+is out of range, calls back to the host to raise a ValueError naming the entry, which reaches
+the caller (as a jax.errors.JaxRuntimeError carrying that message) when the result is read.
+`set_value_checks(False)` (or JAXKV_VALUE_CHECKS=0 in the environment) leaves the compiled
+checks out.
 """
+
+import logging
+import operator
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 MIN_BUCKET = 16
+INT32_MAX = 2**31 - 1
+_VALUE_CHECKS = {"on": os.environ.get("JAXKV_VALUE_CHECKS", "1") != "0"}
+
+
+class OutOfRange(ValueError):
+    """A token id, position or length outside what the model or cache can take."""
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Turns the compiled value checks on (the default) or off. They are part of the traced
+    program, so JAX's caches are cleared: every function traces again with the new setting."""
+    _VALUE_CHECKS["on"] = bool(enabled)
+    jax.clear_caches()
+
+
+def value_checks_enabled() -> bool:
+    return _VALUE_CHECKS["on"]
+
+
+class _HideCheckTraceback(logging.Filter):
+    """jax logs a failing callback's traceback before raising it; ours carry their own message."""
+
+    def filter(self, record):
+        return not (record.exc_info and isinstance(record.exc_info[1], OutOfRange))
+
+
+logging.getLogger("jax._src.debugging").addFilter(_HideCheckTraceback())
 
 
 def concrete(x):
@@ -14,34 +53,129 @@ def concrete(x):
     return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
 
 
-def int_array(x, name: str, ndim: int):
+def _out_of_range(name, low, high, what):
+    """describe(values) -> the error message for the first entry outside [low, high), or None."""
+    def describe(values):
+        values = np.asarray(values)
+        bad = (values < low) | (values >= high)
+        if not bad.any():
+            return None
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        index = f"[{', '.join(map(str, where))}]" if where else ""
+        return f"{name}{index} = {int(values[where])} {what}"
+    return describe
+
+
+def _raise(describe, *values):
+    message = describe(*values)
+    if message:  # under vmap the callback runs for every row, bad or not
+        raise OutOfRange(message)
+
+
+def in_range(x, name: str, low: int, high: int, what: str):
+    """Raises OutOfRange unless every entry of the int array x lies in [low, high): now if x is
+    concrete, when the result is read if x is traced (and value checks are on). The message is
+    "{name}[index] = {value} {what}"."""
+    describe = _out_of_range(name, low, high, what)
+    values = concrete(x)
+    if values is not None:
+        _raise(describe, values)
+    elif _VALUE_CHECKS["on"]:
+        bad = jnp.any((x < low) | (x >= high))
+        jax.lax.cond(bad, lambda: jax.debug.callback(_raise, describe, x), lambda: None)
+
+
+def int_arg(value, name: str, minimum: int = 1) -> int:
+    """value as a Python int >= minimum; numpy integer scalars are accepted, bools and floats
+    are not."""
+    expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be {expected}, got {value!r} "
+                        f"({type(value).__name__})") from None
+    if n < minimum:
+        raise ValueError(f"{name} must be {expected}, got {n}")
+    return n
+
+
+def int_array(x, name: str, ndim: int, bounds=None, what: str = "is out of range"):
+    """x as an int32 array of ndim dimensions. Its values are checked to lie in bounds
+    (low, high) before the cast, and a concrete array of a wider dtype to fit int32, so an int64
+    id never wraps around."""
+    if isinstance(x, str) or (isinstance(x, (list, tuple)) and x and isinstance(x[0], str)):
+        raise TypeError(f"{name} must be token ids (ints), got text {str(x)[:40]!r}: encode it "
+                        "first, e.g. tokenizer.encode(text).ids")
     x = x if isinstance(x, jax.Array) else np.asarray(x)
     if x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(x.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must hold integer token ids/positions, got dtype {x.dtype}")
+    if bounds is not None:
+        in_range(x, name, *bounds, what)
+    elif x.dtype.itemsize > 4 and concrete(x) is not None:
+        in_range(x, name, -INT32_MAX - 1, INT32_MAX, "does not fit int32")
     return jnp.asarray(x, jnp.int32)
 
 
-def token_range(config, tokens, name: str):
-    values = concrete(tokens)
-    if values is not None and values.size:
-        bad = (values < 0) | (values >= config.vocab_size)
-        if bad.any():
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"{name}{list(where)} = {int(values[where])} is not a token id: "
-                             f"expected 0 <= id < vocab_size ({config.vocab_size})")
+def token_ids(config, x, name: str, ndim: int):
+    """int_array of token ids: every entry in [0, vocab_size)."""
+    return int_array(x, name, ndim, (0, config.vocab_size), "is not a token id: expected "
+                     f"0 <= id < vocab_size ({config.vocab_size})")
 
 
 def tokens_2d(config, tokens, name: str):
-    tokens_BT = int_array(tokens, name, 2)
+    tokens_BT = token_ids(config, tokens, name, 2)
     if tokens_BT.shape[1] == 0:
         raise ValueError(f"{name} is empty: shape {tuple(tokens_BT.shape)}")
-    if config.position == "learned" and tokens_BT.shape[1] > config.max_seq_len:
-        raise ValueError(f"{name} has {tokens_BT.shape[1]} positions; the model has "
-                         f"{config.max_seq_len} learned positions")
-    token_range(config, tokens_BT, name)
+    if tokens_BT.shape[1] > config.max_seq_len:
+        raise ValueError(f"{name} has {tokens_BT.shape[1]} positions, more than the model's "
+                         f"max_seq_len ({config.max_seq_len})")
     return tokens_BT
+
+
+def cache_layout(config, cache, name: str = "cache"):
+    """The cache must be one init_cache made for this model: layers, kv heads, head dim, a float
+    dtype, and cross-attention K/V exactly for encoder-decoder models. Shapes are static, so this
+    costs nothing at run time."""
+    from jaxkv.cache import KVCache
+
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"{name} must be a jaxkv.KVCache (from jaxkv.init_cache), got "
+                        f"{type(cache).__name__}")
+    B, S = cache.batch_size, cache.capacity
+    expected = (B, config.n_kv_heads, S, config.head_dim)
+    _layers(config, cache, ("k", "v"), expected, name, "[batch, kv heads, slots, head dim]")
+    if config.is_encoder_decoder:
+        if cache.cross_k is None or cache.cross_v is None or cache.cross_mask is None:
+            raise ValueError(f"{name} has no cross-attention K/V, but this is an "
+                             "encoder-decoder model: make it with init_cache(params, ..., "
+                             "encoder_inputs=...)")
+        M = cache.cross_mask.shape[-1]
+        _layers(config, cache, ("cross_k", "cross_v"), expected[:2] + (M, config.head_dim), name,
+                "[batch, kv heads, encoder positions, head dim]")
+        if cache.cross_mask.shape != (B, M):
+            raise ValueError(f"{name}.cross_mask has shape {cache.cross_mask.shape}, expected "
+                             f"{(B, M)}")
+    elif cache.cross_k is not None:
+        raise ValueError(f"{name} holds cross-attention K/V, but this is a decoder-only model")
+
+
+def _layers(config, cache, fields, expected, name, layout):
+    for field in fields:
+        arrays = getattr(cache, field)
+        if len(arrays) != config.n_layers:
+            raise ValueError(f"{name}.{field} has {len(arrays)} layers; the model has "
+                             f"{config.n_layers}")
+        for layer, x in enumerate(arrays):
+            if tuple(x.shape) != expected:
+                raise ValueError(f"{name}.{field}[{layer}] has shape {tuple(x.shape)}; this "
+                                 f"model needs {expected} {layout}")
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                raise TypeError(f"{name}.{field}[{layer}] has dtype {x.dtype}; expected a float "
+                                "dtype (float32, bfloat16 or float16)")
 
 
 def prefill_args(config, cache, tokens, lengths, start):
@@ -49,36 +183,29 @@ def prefill_args(config, cache, tokens, lengths, start):
     B, T = tokens_BT.shape
     if B != cache.batch_size:
         raise ValueError(f"tokens has {B} rows but the cache has {cache.batch_size}")
-    lengths_B = jnp.full((B,), T, jnp.int32) if lengths is None else int_array(lengths, "lengths", 1)
-    start_B = jnp.zeros((B,), jnp.int32) if start is None else int_array(start, "start", 1)
+    lengths_B = jnp.full((B,), T, jnp.int32) if lengths is None else int_array(
+        lengths, "lengths", 1, (1, T + 1), f"is not a prompt length: expected 1 <= length <= "
+        f"{T} (empty prompts are not allowed)")
+    start_B = jnp.zeros((B,), jnp.int32) if start is None else int_array(
+        start, "start", 1, (0, cache.capacity), f"is not a cache slot: expected 0 <= start < "
+        f"capacity ({cache.capacity})")
     for name, x in (("lengths", lengths_B), ("start", start_B)):
         if x.shape != (B,):
             raise ValueError(f"{name} must have shape ({B},) to match tokens, got {x.shape}")
-    lengths, start = concrete(lengths_B), concrete(start_B)
-    if lengths is not None and ((lengths < 1) | (lengths > T)).any():
-        raise ValueError(f"lengths must be in [1, {T}] (empty prompts are not allowed), got "
-                         f"{lengths.tolist()}")
-    if start is not None and (start < 0).any():
-        raise ValueError(f"start must be >= 0, got {start.tolist()}")
-    if lengths is not None and start is not None and (start + lengths > cache.capacity).any():
-        row = int(np.argmax(start + lengths > cache.capacity))
-        raise ValueError(f"prompt longer than the cache: row {row} needs "
-                         f"{int(start[row] + lengths[row])} slots, the cache holds "
-                         f"{cache.capacity}")
+    in_range(start_B + lengths_B, "start + lengths", 1, cache.capacity + 1,
+             f"slots are needed: the prompt is longer than the cache (capacity "
+             f"{cache.capacity})")
     return tokens_BT, lengths_B, start_B
 
 
 def decode_args(config, cache, token, pos):
-    token_B, pos_B = int_array(token, "token", 1), int_array(pos, "pos", 1)
     B = cache.batch_size
+    token_B = token_ids(config, token, "token", 1)
+    pos_B = int_array(pos, "pos", 1, (0, cache.capacity), "is outside the cache: expected 0 "
+                      f"<= pos < capacity ({cache.capacity})")
     if token_B.shape != (B,) or pos_B.shape != (B,):
         raise ValueError(f"token and pos must have shape ({B},) to match the cache, got "
                          f"{tuple(token_B.shape)} and {tuple(pos_B.shape)}")
-    token_range(config, token_B, "token")
-    pos = concrete(pos_B)
-    if pos is not None and ((pos < 0) | (pos >= cache.capacity)).any():
-        raise ValueError(f"pos must be in [0, {cache.capacity}) (the cache capacity), got "
-                         f"{pos.tolist()}")
     return token_B, pos_B
 
 
@@ -92,8 +219,6 @@ def bucket_len(n: int) -> int:
 def pad_to_bucket(tokens_BT, pad_id: int = 0):
     T = tokens_BT.shape[1]
     return jnp.pad(tokens_BT, ((0, 0), (0, bucket_len(T) - T)), constant_values=pad_id)
-
-
 def encoder_args(config, encoder_inputs, encoder_lengths, batch_size=None):
     """Validated (inputs, lengths_B or None) for an encoder: tokens [B, M] or audio features
     [B, n_mels, frames]; batch_size, when given, must match B."""
@@ -128,17 +253,15 @@ def _audio_features(e, x, encoder_lengths):
 
 
 def _encoder_tokens(config, x, encoder_lengths):
-    tokens_BM = int_array(x, "encoder_inputs", 2)
+    tokens_BM = token_ids(config, x, "encoder_inputs", 2)
     B, M = tokens_BM.shape
     if M == 0 or M > config.encoder.max_input_len:
         raise ValueError(f"encoder_inputs has {M} tokens; the encoder takes 1 to "
                          f"{config.encoder.max_input_len}")
-    token_range(config, tokens_BM, "encoder_inputs")
     if encoder_lengths is None:
         return tokens_BM, None
-    lengths_B = int_array(encoder_lengths, "encoder_lengths", 1)
-    lengths = concrete(lengths_B)
-    if lengths_B.shape != (B,) or (lengths is not None and ((lengths < 1) | (lengths > M)).any()):
-        raise ValueError(f"encoder_lengths must have shape ({B},) with values in [1, {M}], got "
-                         f"{lengths_B.shape} {None if lengths is None else lengths.tolist()}")
+    lengths_B = int_array(encoder_lengths, "encoder_lengths", 1, (1, M + 1),
+                          f"is not an encoder input length: expected 1 <= length <= {M}")
+    if lengths_B.shape != (B,):
+        raise ValueError(f"encoder_lengths must have shape ({B},), got {lengths_B.shape}")
     return tokens_BM, lengths_B

@@ -107,12 +107,27 @@ def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
 
     tokens_BT sit at positions pos_BT (what RoPE / learned positions see) and their K/V are
     stored at cache slots slot_BT; mask_BTS says which cache slots (after the write) each token
-    reads. Linear decoding uses slot == pos and a causal mask; forests use other masks.
+    reads. Linear decoding uses slot == pos and a causal mask; forests use other masks. A slot
+    >= the capacity is not stored (how prefill's padding is written nowhere); a negative slot or
+    position, or a token id outside the vocabulary, is an error.
     kv_len (optional, traced): a bound on the slots any token reads; attention visits only the
     blocks below it, so a step costs what is filled, not the capacity.
     prefix: optional (prefix cache with P rows, mask_PS of its valid slots, their kv_len): keys
     every group of B / P consecutive rows also reads, stored once (see jaxkv.multidecode).
     """
+    tokens_BT = checks.token_ids(params.config, tokens_BT, "tokens", 2)
+    pos_BT = checks.int_array(pos_BT, "pos", 2, (0, checks.INT32_MAX), "is not a position")
+    slot_BT = checks.int_array(slot_BT, "slot", 2, (0, checks.INT32_MAX), "is not a cache slot")
+    return cached_pass(params, cache, tokens_BT, pos_BT, slot_BT, mask_BTS, prefix, kv_len)
+
+
+def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
+                prefix=None, kv_len=None):
+    """extend for arguments whose values the caller has checked (the cache's layout is checked
+    here: it is static)."""
+    checks.cache_layout(params.config, cache)
+    if prefix is not None:
+        checks.cache_layout(params.config, prefix[0], "prefix cache")
     params, x_BTD = tie_weights(params, embed(params, tokens_BT, pos_BT))
     slots_BS = jnp.arange(cache.capacity)[None, :]  # a linear cache: slot s holds position s
     bias = self_bias(params, pos_BT, slots_BS)
@@ -129,8 +144,8 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
     B, T = tokens_BT.shape
     pos_BT = start_B[:, None] + jnp.arange(T)[None, :]
     mask_BTS = causal_mask(pos_BT, cache.capacity)
-    x_BTD, cache = extend(params, cache, tokens_BT, pos_BT, pos_BT, mask_BTS,
-                          kv_len=jnp.max(start_B + lengths_B))
+    x_BTD, cache = cached_pass(params, cache, tokens_BT, pos_BT, pos_BT, mask_BTS,
+                               kv_len=jnp.max(start_B + lengths_B))
     last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
     return logits(params, last_B1D)[:, 0], cache
 
@@ -161,6 +176,6 @@ def decode_step(params: Params, cache: KVCache, token, pos):
     count_trace("decode_step")
     token_B, pos_B = checks.decode_args(params.config, cache, token, pos)
     pos_BT = pos_B[:, None]
-    x_BTD, cache = extend(params, cache, token_B[:, None], pos_BT, pos_BT,
-                          causal_mask(pos_BT, cache.capacity), kv_len=jnp.max(pos_B) + 1)
+    x_BTD, cache = cached_pass(params, cache, token_B[:, None], pos_BT, pos_BT,
+                               causal_mask(pos_BT, cache.capacity), kv_len=jnp.max(pos_B) + 1)
     return logits(params, x_BTD)[:, 0], cache

@@ -1,6 +1,9 @@
 """generate: prefill, then a while loop of decode_step, compiled as one program."""
 
+import dataclasses
 import functools
+from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -18,46 +21,48 @@ from jaxkv.tracecount import count_trace
 
 def prepare_prompts(config, prompts, lengths=None):
     """Right-padded tokens [B, bucket(T)] and lengths [B] from ragged lists or a [B, T] array."""
-    if isinstance(prompts, (list, tuple)):
+    if isinstance(prompts, (list, tuple)) and not (prompts and isinstance(prompts[0], str)):
         if not prompts:
             raise ValueError("prompts is empty: expected at least one prompt")
         if lengths is not None:
             raise ValueError("lengths is only for a [B, T] prompts array, not a list of lists")
         for i, p in enumerate(prompts):
-            if len(p) == 0:
+            if np.size(p) == 0:
                 raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
-        rows = [checks.int_array(p, f"prompts[{i}]", 1) for i, p in enumerate(prompts)]
+        rows = [checks.token_ids(config, p, f"prompts[{i}]", 1) for i, p in enumerate(prompts)]
         lengths = [row.shape[0] for row in rows]
         tokens = np.zeros((len(rows), max(lengths)), np.int32)
         for i, row in enumerate(rows):
             tokens[i, : row.shape[0]] = row
-        prompts = tokens
+        prompts, lengths = tokens, np.array(lengths, np.int32)
     tokens_BT = checks.int_array(prompts, "prompts", 2)
     B, T = tokens_BT.shape
     lengths_B = jnp.full((B,), T, jnp.int32) if lengths is None else checks.int_array(
-        lengths, "lengths", 1)
-    lengths = checks.concrete(lengths_B)
-    if lengths_B.shape != (B,) or (lengths < 1).any() or (lengths > T).any():
-        raise ValueError(f"lengths must have shape ({B},) with values in [1, {T}] (no empty "
-                         f"prompts), got {lengths.tolist()}")
+        lengths, "lengths", 1, (1, T + 1),
+        f"is not a prompt length: expected 1 <= length <= {T}")
+    if lengths_B.shape != (B,):
+        raise ValueError(f"lengths must have shape ({B},), got {lengths_B.shape}")
+    lengths = np.asarray(lengths_B)
     for b in range(B):
-        checks.token_range(config, tokens_BT[b, : lengths[b]], f"prompts[{b}]")
+        checks.token_ids(config, tokens_BT[b, : lengths[b]], f"prompts[{b}]", 1)
     return checks.pad_to_bucket(tokens_BT), lengths_B
 
 
 def capacity_for(config, padded_len: int, max_new_tokens: int, lengths_B, max_len=None) -> int:
     """Cache slots for a generation; the default depends only on the prompt bucket."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    capacity, limit = max_len, "max_len"
+    max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
+    longest = int(np.max(np.asarray(lengths_B)))
+    if longest + max_new_tokens > config.max_seq_len:
+        raise ValueError(f"prompt + max_new_tokens = {longest} + {max_new_tokens} = "
+                         f"{longest + max_new_tokens} positions, more than the model's "
+                         f"max_seq_len ({config.max_seq_len})")
     if max_len is None:
-        capacity, limit = padded_len + max_new_tokens, "prompt bucket + max_new_tokens"
-        if config.position == "learned" and capacity >= config.max_seq_len:
-            capacity, limit = config.max_seq_len, "the model's learned positions"
-    need = int(np.max(np.asarray(lengths_B))) + max_new_tokens
-    if need > capacity:
-        raise ValueError(f"prompt + max_new_tokens = {need - max_new_tokens} + {max_new_tokens} "
-                         f"= {need} positions, over the cache capacity ({limit}: {capacity})")
+        return min(padded_len + max_new_tokens, config.max_seq_len)
+    capacity = checks.int_arg(max_len, "max_len")
+    if longest + max_new_tokens > capacity:
+        raise ValueError(f"prompt + max_new_tokens = {longest} + {max_new_tokens} = "
+                         f"{longest + max_new_tokens} positions, over the cache capacity "
+                         f"(max_len: {capacity})")
     return capacity
 
 
@@ -153,7 +158,43 @@ def generate(params, prompts, max_new_tokens: int, **options):
     are split over "data", heads / MLP width / vocabulary over "model".
     """
     args, static = generate_args(params, prompts, max_new_tokens, **options)
-    return generate_loop(*args, **static)
+    if static["on_token"] is None:
+        return generate_loop(*args, **static)
+    try:  # wait here, so that an exception on_token raised surfaces as itself
+        return jax.block_until_ready(generate_loop(*args, **static))
+    except jax.errors.JaxRuntimeError:
+        if RaisedInCallback.errors:
+            raise RaisedInCallback.errors.pop() from None
+        raise
+
+
+@dataclasses.dataclass(frozen=True)
+class RaisedInCallback:
+    """on_token as the compiled loop calls it: an exception it raises is kept, and generate
+    raises it as itself instead of XLA's runtime error. Equal for the same function, so wrapping
+    it never recompiles."""
+
+    fn: Callable
+    errors: ClassVar[list] = []
+
+    def __call__(self, token_B):
+        try:
+            self.fn(token_B)
+        except Exception as e:
+            RaisedInCallback.errors[:] = [e]
+            raise
+
+
+def eos_ids(eos_id):
+    """[E] int32 end-of-sequence ids ([-1]: none) from None, an id or a list of ids."""
+    if eos_id is None:
+        return jnp.array([-1], jnp.int32)
+    ids = np.asarray(eos_id)
+    if ids.ndim > 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        raise ValueError(f"eos_id must be a token id or a non-empty list of token ids, got "
+                         f"{eos_id!r}")
+    checks.in_range(ids, "eos_id", 0, checks.INT32_MAX, "is not a token id")
+    return jnp.atleast_1d(jnp.asarray(ids, jnp.int32))
 
 
 def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, temperature=0.0,
@@ -164,11 +205,14 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
     c = params.config
     tokens_BT, lengths_B = prepare_prompts(c, prompts, lengths)
     B, T = tokens_BT.shape
+    max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
     capacity = capacity_for(params.config, T, max_new_tokens, lengths_B, max_len)
     sampling = sampling_params(B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                repetition_penalty=repetition_penalty)
-    eos_E = jnp.atleast_1d(jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32))
-    pad_id = int(eos_E[0]) if pad_id is None and eos_id is not None else (pad_id or 0)
+    eos_E = eos_ids(eos_id)
+    if pad_id is None:
+        pad_id = 0 if eos_id is None else int(eos_E[0])
+    pad_id = checks.int_arg(pad_id, "pad_id", minimum=0)
     suppress_V = token_mask(c, c.suppress_ids if suppress_ids is None else suppress_ids,
                             "suppress_ids")
     begin_V = token_mask(c, c.begin_suppress_ids if begin_suppress_ids is None else
@@ -180,5 +224,6 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
         rows = jax.tree.map(lambda x: shard_rows(x, mesh), rows)
         encoder = jax.tree.map(lambda x: shard_rows(x, mesh), encoder)
     args = (params, *rows, eos_E, jnp.int32(pad_id), suppress_V, begin_V, *encoder)
+    on_token = None if on_token is None else RaisedInCallback(on_token)
     return args, dict(max_new_tokens=max_new_tokens, capacity=capacity, on_token=on_token,
                       mesh=mesh)

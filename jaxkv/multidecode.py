@@ -157,7 +157,7 @@ def forest_pass(params, tokens, parents, prefix: Prefix):
     for b, (t, f) in enumerate(zip(tokens, forests)):
         n = f.parents.size
         tokens_BN[b, :n], depth_BN[b, :n], mask_BNN[b, :n, :n] = t, f.depth, f.mask
-    checks.token_range(params.config, tokens_BN, "tokens")
+    checks.token_ids(params.config, tokens_BN, "tokens", 2)
     _check_positions(params, prefix, int(depth_BN.max()) + 1)
     if prefix.length.shape[0] not in (1, B):
         raise ValueError(f"prefix has {prefix.length.shape[0]} rows; expected 1 or {B}")
@@ -274,11 +274,9 @@ def _decode_branches(params, prefix: Prefix, sampling, keys_n, *, max_new_tokens
 def decode_branches(params, prompt, n_branches: int, max_new_tokens: int, *, temperature=1.0,
                     top_k=None, top_p=None, min_p=None, key=None) -> tuple[Prefix, Branches]:
     """n_branches continuations of one prompt; the prompt's K/V are stored once and shared."""
-    if not isinstance(n_branches, int) or n_branches < 1:
-        raise ValueError(f"n_branches must be a positive int, got {n_branches!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    checks.token_range(params.config, np.asarray(prompt), "prompt")
+    n_branches = checks.int_arg(n_branches, "n_branches")
+    max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
+    checks.token_ids(params.config, prompt, "prompt", 1)
     prefix = make_prefix(params, list(prompt))
     _check_positions(params, prefix, max_new_tokens)
     sampling = sampling_params(n_branches, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -426,12 +424,11 @@ def beam_search(params, prompt, beam_size: int, max_new_tokens: int, *, length_p
     generated tokens, EOS included); tokens past a length are pad_id (default: the EOS id).
     The prompt's K/V are stored once; each step reorders only the beams' own tokens' K/V.
     """
-    for name, value in (("beam_size", beam_size), ("max_new_tokens", max_new_tokens)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    beam_size = checks.int_arg(beam_size, "beam_size")
+    max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
     if beam_size * 2 > params.config.vocab_size:
         raise ValueError(f"beam_size={beam_size} needs a vocabulary of at least {2 * beam_size}")
-    checks.token_range(params.config, np.asarray(prompt), "prompt")
+    checks.token_ids(params.config, prompt, "prompt", 1)
     prefix = make_prefix(params, list(prompt))
     _check_positions(params, prefix, max_new_tokens)
     eos_E = jnp.atleast_1d(jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32))

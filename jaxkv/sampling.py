@@ -22,7 +22,8 @@ class SamplingParams:
 
 # name: (value meaning "off", dtype, predicate on valid values, what is expected)
 _RULES = {
-    "temperature": (0.0, jnp.float32, lambda x: x >= 0, ">= 0 (0 means greedy)"),
+    "temperature": (0.0, jnp.float32, lambda x: np.isfinite(x) & (x >= 0),
+                    "finite and >= 0 (0 means greedy)"),
     "top_k": (0, jnp.int32, lambda x: x >= 0, "an int >= 0 (0 or None means off)"),
     "top_p": (1.0, jnp.float32, lambda x: (x > 0) & (x <= 1), "in (0, 1]"),
     "min_p": (0.0, jnp.float32, lambda x: (x >= 0) & (x <= 1), "in [0, 1]"),
@@ -36,6 +37,8 @@ def sampling_params(batch_size: int, **values) -> SamplingParams:
     for name, (off, dtype, valid, expected) in _RULES.items():
         value = values.get(name)
         x = np.asarray(off if value is None else value)
+        if x.dtype.kind not in "iuf":
+            raise TypeError(f"{name} must be a number or one number per row, got {value!r}")
         if x.ndim > 1 or (x.ndim == 1 and x.shape[0] != batch_size):
             raise ValueError(f"{name} must be a scalar or have shape ({batch_size},), got "
                              f"shape {x.shape}")
@@ -49,14 +52,25 @@ def row_keys(key, batch_size: int):
     """[B] keys: a single key gives row b the key fold_in(key, b); a [B] batch of keys is kept."""
     if key is None:
         key = jax.random.key(0)
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    dtype = getattr(key, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        key = _legacy_key(key)
     if key.ndim == 0:
         return jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(batch_size))
     if key.shape != (batch_size,):
         raise ValueError(f"key must be one key or {batch_size} keys (one per row), got key "
                          f"shape {key.shape}")
     return key
+
+
+def _legacy_key(key):
+    """A typed key from jax.random.PRNGKey's uint32 [2] data (or [B, 2]); anything else is an
+    error."""
+    data = np.asarray(key) if not isinstance(key, jax.Array) else key
+    if data.dtype != np.uint32 or data.ndim not in (1, 2) or data.shape[-1] != 2:
+        raise TypeError(f"key must be a JAX PRNG key such as jax.random.key(seed) (or [B] of "
+                        f"them), got {key!r:.60}")
+    return jax.random.wrap_key_data(data)
 
 
 def apply_repetition_penalty(logits_BV, seen_BV, penalty_B):

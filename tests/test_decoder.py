@@ -117,7 +117,7 @@ def test_bfloat16_params_decode_close_to_float32(llama, batch):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(tokens=np.zeros((1, 20), np.int32)), "prompt longer than the cache"),
+    (dict(tokens=np.zeros((1, 20), np.int32)), "the prompt is longer than the cache"),
     (dict(tokens=np.zeros((1, 0), np.int32)), "tokens is empty"),
     (dict(tokens=np.array([[1, 97]])), r"tokens\[0, 1\] = 97 is not a token id"),
     (dict(tokens=np.array([[1, -3]])), r"tokens\[0, 1\] = -3 is not a token id"),
@@ -134,7 +134,7 @@ def test_prefill_rejects_bad_input(llama, bad, match):
 @pytest.mark.parametrize("token, pos, match", [
     ([97], [0], "not a token id"),
     ([-1], [0], "not a token id"),
-    ([1], [16], r"pos must be in \[0, 16\)"),
+    ([1], [16], r"pos\[0\] = 16 is outside the cache"),
     ([1, 2], [0, 0], r"shape \(1,\)"),
 ])
 def test_decode_step_rejects_bad_input(llama, token, pos, match):
