@@ -1,11 +1,19 @@
-"""Loading and saving parameters: Hugging Face directories, GGUF files, jaxkv's own format."""
+"""Loading and saving parameters: Hugging Face directories, GGUF files, CTranslate2 Whisper,
+jaxkv's own format (orbax + a sha256 manifest).
+
+A file that cannot be read as what it claims to be is a CheckpointError naming the file and
+what is wrong, never a parser's traceback.
+"""
 
 import functools
 import glob
+import hashlib
 import json
+import math
 import os
 import re
 import struct
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -18,19 +26,26 @@ from jaxkv.convert import CheckpointError
 from jaxkv.params import Params, init_params
 
 SAVED_CONFIG = "jaxkv_config.json"
+MANIFEST = "jaxkv_manifest.json"
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def load(path, dtype=None) -> Params:
     """Params from a Hugging Face directory (config.json + *.safetensors: GPT-2, Llama, T5,
     Whisper), a .gguf file (llama), a CTranslate2 Whisper directory, or a jaxkv.save directory.
 
-    dtype: what floating weights become; by default float32 for foreign formats and the saved
-    dtype (bitwise as saved) for jaxkv's own.
+    dtype: what floating weights become (float32, bfloat16 or float16); by default float32 for
+    foreign formats and the saved dtype (bitwise as saved) for jaxkv's own.
+    A jaxkv.save directory is checked against its manifest first (see load_saved); a file that
+    is damaged or malformed is a CheckpointError naming it.
     """
     path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"load: {path!r} does not exist")
+    _check_float_dtype(dtype)
     if os.path.isfile(path) and path.endswith(".gguf"):
         return load_gguf(path, dtype)
-    if os.path.isfile(os.path.join(path, SAVED_CONFIG)):
+    if any(os.path.isfile(os.path.join(path, name)) for name in (SAVED_CONFIG, MANIFEST)):
         return load_saved(path, dtype)
     if os.path.isfile(os.path.join(path, "model.bin")) and not glob.glob(
             os.path.join(path, "*.safetensors")):
@@ -42,37 +57,101 @@ def load(path, dtype=None) -> Params:
                             f"{SAVED_CONFIG} (jaxkv.save)")
 
 
+def _check_float_dtype(dtype) -> None:
+    """dtype must be None or one of FLOAT_DTYPES."""
+    if dtype is None:
+        return
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in FLOAT_DTYPES:
+        raise ValueError(f"load: dtype must be a float dtype ({', '.join(FLOAT_DTYPES)}), got "
+                         f"{dtype!r}")
+
+
+def read_json(file: str) -> dict:
+    """A JSON object from file; anything else is a CheckpointError naming the file and where."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _parse_error(file: str, what: str, error: Exception) -> CheckpointError:
+    """The CheckpointError for a file a third-party parser rejected (its message kept)."""
+    return CheckpointError(f"{file}: not a valid {what} (truncated or corrupt?): "
+                           f"{type(error).__name__}: {error}")
+
+
 # ---- Hugging Face -------------------------------------------------------------------------
 
+# transformers' defaults for keys a config.json may omit (its GPT2Config, LlamaConfig, ...);
+# the vocabulary size and the width have no default worth guessing and must be present.
+GPT2_DEFAULTS = dict(n_positions=1024, n_layer=12, n_head=12, n_inner=None,
+                     activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                     bos_token_id=50256, eos_token_id=50256)
+LLAMA_DEFAULTS = dict(intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=None, head_dim=None, hidden_act="silu",
+                      max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2)
+T5_DEFAULTS = dict(d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=None, num_heads=8,
+                   relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                   layer_norm_epsilon=1e-6, feed_forward_proj="relu", n_positions=512,
+                   eos_token_id=1, decoder_start_token_id=0)  # T5 starts from its pad id, 0
+WHISPER_DEFAULTS = dict(num_mel_bins=80, encoder_layers=4, encoder_attention_heads=6,
+                        decoder_layers=4, decoder_attention_heads=6, decoder_ffn_dim=1536,
+                        encoder_ffn_dim=1536, activation_function="gelu",
+                        max_source_positions=1500, max_target_positions=448,
+                        decoder_start_token_id=50257, eos_token_id=50256,
+                        begin_suppress_tokens=[220, 50256])
+
+
+def _with_defaults(hf: dict, defaults: dict, required: tuple, source: str) -> dict:
+    """hf with defaults for absent keys; a required key absent (or null) is an error."""
+    for key in required:
+        if hf.get(key) is None:
+            raise CheckpointError(f"{source}: required key {key!r} is missing")
+    return {**defaults, **hf}
+
+
 def _gpt2_config(hf: dict, source: str) -> Config:
+    hf = _with_defaults(hf, GPT2_DEFAULTS, ("vocab_size", "n_embd"), source)
     if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
         raise CheckpointError(f"{source}: GPT-2 attention variants are not supported")
     return Config.gpt2(vocab_size=hf["vocab_size"], d_model=hf["n_embd"], n_layers=hf["n_layer"],
-                       n_heads=hf["n_head"], max_seq_len=hf["n_positions"], d_ff=hf.get("n_inner"),
-                       norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                       activation=_activation(hf.get("activation_function", "gelu_new"), source),
-                       **_special_ids(hf))
+                       n_heads=hf["n_head"], max_seq_len=hf["n_positions"], d_ff=hf["n_inner"],
+                       norm_eps=hf["layer_norm_epsilon"],
+                       activation=_activation(hf["activation_function"], source),
+                       **_special_ids(hf, source, ("bos_token_id", "eos_token_id")))
 
 
 def _llama_config(hf: dict, source: str) -> Config:
+    hf = _with_defaults(hf, LLAMA_DEFAULTS, ("vocab_size", "hidden_size"), source)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise CheckpointError(f"{source}: rope scaling {rope!r} is not supported")
-    if _activation(hf.get("hidden_act", "silu"), source) != "silu":
+    if _activation(hf["hidden_act"], source) != "silu":
         raise CheckpointError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}")
     n_heads = hf["num_attention_heads"]
     return Config.llama(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim"), d_ff=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-        attn_bias=hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
-        tie_embeddings=hf.get("tie_word_embeddings", False), **_special_ids(hf))
+        n_heads=n_heads, n_kv_heads=hf["num_key_value_heads"] or n_heads,
+        head_dim=hf["head_dim"], d_ff=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"], norm_eps=hf["rms_norm_eps"],
+        rope_theta=rope.get("rope_theta", hf["rope_theta"]), attn_bias=hf["attention_bias"],
+        mlp_bias=hf["mlp_bias"], tie_embeddings=hf["tie_word_embeddings"],
+        **_special_ids(hf, source, ("bos_token_id", "eos_token_id")))
 
 
 def _t5_config(hf: dict, source: str, tensor_names=()) -> Config:
-    proj = hf.get("feed_forward_proj", "relu")
+    hf = _with_defaults(hf, T5_DEFAULTS, ("vocab_size", "d_model"), source)
+    proj = hf["feed_forward_proj"]
     if proj not in ("relu", "gated-gelu"):
         raise CheckpointError(f"{source}: feed_forward_proj {proj!r} is not supported; expected "
                               "'relu' or 'gated-gelu'")
@@ -82,17 +161,17 @@ def _t5_config(hf: dict, source: str, tensor_names=()) -> Config:
     rescale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True))
     return Config.t5(
         vocab_size=hf["vocab_size"], d_model=hf["d_model"],
-        n_layers=hf.get("num_decoder_layers") or hf["num_layers"],
+        n_layers=hf["num_decoder_layers"] or hf["num_layers"],
         n_encoder_layers=hf["num_layers"], n_heads=hf["num_heads"], head_dim=hf["d_kv"],
         d_ff=hf["d_ff"], gated=proj == "gated-gelu", tie_embeddings=tied,
-        max_source_len=hf.get("n_positions", 512), rescale_logits=rescale,
-        norm_eps=hf.get("layer_norm_epsilon", 1e-6),
-        relative_buckets=hf.get("relative_attention_num_buckets", 32),
-        relative_max_distance=hf.get("relative_attention_max_distance", 128),
-        decoder_start_id=hf.get("decoder_start_token_id", 0), eos_id=_single_id(hf.get("eos_token_id")))
+        max_source_len=hf["n_positions"], rescale_logits=rescale,
+        norm_eps=hf["layer_norm_epsilon"], relative_buckets=hf["relative_attention_num_buckets"],
+        relative_max_distance=hf["relative_attention_max_distance"],
+        **_special_ids(hf, source, ("eos_token_id", "decoder_start_token_id")))
 
 
 def _whisper_config(hf: dict, source: str) -> Config:
+    hf = _with_defaults(hf, WHISPER_DEFAULTS, ("vocab_size", "d_model"), source)
     if hf.get("scale_embedding"):
         raise CheckpointError(f"{source}: Whisper with scale_embedding is not supported")
     if hf["encoder_attention_heads"] != hf["decoder_attention_heads"] or \
@@ -106,12 +185,11 @@ def _whisper_config(hf: dict, source: str) -> Config:
     return Config.whisper(
         vocab_size=hf["vocab_size"], d_model=hf["d_model"], n_layers=hf["decoder_layers"],
         n_encoder_layers=hf["encoder_layers"], n_heads=hf["decoder_attention_heads"],
-        d_ff=hf["decoder_ffn_dim"], n_mels=hf.get("num_mel_bins", 80),
-        max_source_len=hf.get("max_source_positions", 1500),
-        max_seq_len=hf.get("max_target_positions", 448),
-        activation=_activation(hf.get("activation_function", "gelu"), source),
-        decoder_start_id=hf.get("decoder_start_token_id"), eos_id=_single_id(hf.get("eos_token_id")),
-        suppress_ids=ids("suppress_tokens"), begin_suppress_ids=ids("begin_suppress_tokens"))
+        d_ff=hf["decoder_ffn_dim"], n_mels=hf["num_mel_bins"],
+        max_source_len=hf["max_source_positions"], max_seq_len=hf["max_target_positions"],
+        activation=_activation(hf["activation_function"], source),
+        suppress_ids=ids("suppress_tokens"), begin_suppress_ids=ids("begin_suppress_tokens"),
+        **_special_ids(hf, source, ("eos_token_id", "decoder_start_token_id")))
 
 
 HF_ARCHITECTURES = {
@@ -132,8 +210,25 @@ def _activation(name: str, source: str) -> str:
     return ours
 
 
-def _special_ids(hf: dict) -> dict:
-    return dict(bos_id=_single_id(hf.get("bos_token_id")), eos_id=_single_id(hf.get("eos_token_id")))
+SPECIAL_IDS = {"bos_token_id": "bos_id", "eos_token_id": "eos_id",
+               "decoder_start_token_id": "decoder_start_id"}
+
+
+def _special_ids(hf: dict, source: str, keys: tuple) -> dict:
+    """Config's special ids from hf's keys. An id outside the vocabulary is dropped (None) with
+    a warning, as transformers loads such configs: that token can never occur."""
+    ids = {}
+    for key in keys:
+        ids[SPECIAL_IDS[key]] = _in_vocab(_single_id(hf.get(key)), key, hf["vocab_size"], source)
+    return ids
+
+
+def _in_vocab(value, key: str, vocab_size: int, source: str):
+    if value is None or 0 <= value < vocab_size:
+        return value
+    warnings.warn(f"{source}: {key} {value} is outside the vocabulary (vocab_size {vocab_size}); "
+                  "dropped, as that token can never occur")
+    return None
 
 
 def _single_id(value):
@@ -147,17 +242,28 @@ def config_from_hf(hf: dict, source: str = "config.json", tensor_names=()) -> Co
         raise CheckpointError(f"{source}: architecture {arch!r} is not supported; expected one of "
                               f"{', '.join(HF_ARCHITECTURES)}")
     parse = HF_ARCHITECTURES[arch][0]
-    return parse(hf, source, tensor_names) if parse is _t5_config else parse(hf, source)
+    if parse is _t5_config:
+        return _build_config(lambda: parse(hf, source, tensor_names), source)
+    return _build_config(lambda: parse(hf, source), source)
+
+
+def _build_config(make, source: str) -> Config:
+    """make(); Config's own validation errors (a zero width, a null count, a string where a
+    number belongs) become CheckpointErrors naming the file they came from."""
+    try:
+        return make()
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{source}: {e}") from None
 
 
 def load_hf(directory: str, dtype=None) -> Params:
     config_path = os.path.join(directory, "config.json")
-    with open(config_path) as f:
-        hf = json.load(f)
+    hf = read_json(config_path)
     generation_path = os.path.join(directory, "generation_config.json")
     if os.path.isfile(generation_path):
-        with open(generation_path) as f:
-            hf["generation"] = json.load(f)
+        hf["generation"] = read_json(generation_path)
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors weights found")
@@ -170,11 +276,14 @@ def load_hf(directory: str, dtype=None) -> Params:
 
 def _safetensors_index(files):
     """{tensor name: open file} over one or several safetensors shards."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     index = {}
     for file in files:
-        handle = safe_open(file, framework="flax")  # flax: bfloat16 tensors load too
+        try:
+            handle = safe_open(file, framework="flax")  # flax: bfloat16 tensors load too
+        except SafetensorError as e:
+            raise _parse_error(file, "safetensors file", e) from None
         index.update({name: handle for name in handle.keys()})
     return index
 
@@ -187,75 +296,118 @@ def _read(tensors, name):
 # ---- CTranslate2 (Whisper) ----------------------------------------------------------------
 
 CT2_DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16}
+CT2_VERSIONS = (5, 6)
+
+
+class _ByteReader:
+    """Reads a binary file front to back; a read past its end is a CheckpointError saying what
+    needed how many bytes where."""
+
+    def __init__(self, path: str):
+        self.path, self.size, self.offset = path, os.path.getsize(path), 0
+        self.data = np.memmap(path, np.uint8, mode="r") if self.size else np.zeros(0, np.uint8)
+
+    def span(self, n: int, what: str) -> int:
+        """The offset of the next n bytes, which are then passed over."""
+        if self.offset + n > self.size:
+            raise CheckpointError(f"{self.path}: truncated: {what} needs {n} bytes at offset "
+                                  f"{self.offset}, file has {self.size}")
+        self.offset += n
+        return self.offset - n
+
+    def take(self, fmt: str, what: str):
+        values = struct.unpack_from(fmt, self.data, self.span(struct.calcsize(fmt), what))
+        return values[0] if len(values) == 1 else values
+
+    def string(self, what: str) -> str:
+        """A length-prefixed (uint16), NUL-terminated UTF-8 string."""
+        start = self.span(self.take("<H", what), what)
+        try:
+            return bytes(self.data[start:self.offset]).rstrip(b"\0").decode()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{self.path}: {what} at offset {start} is not UTF-8 text") \
+                from None
+
+    def array(self, dtype, shape: tuple, what: str) -> np.ndarray:
+        count = math.prod(shape)
+        start = self.span(count * np.dtype(dtype).itemsize, what)
+        return np.frombuffer(self.data, dtype, count, start).reshape(shape)
 
 
 def read_ct2(path: str) -> dict:
     """{variable name: numpy array} from a CTranslate2 model.bin (format version 6), aliases
     resolved."""
-    data = np.memmap(path, np.uint8, mode="r")
-    offset = 0
-
-    def take(fmt):
-        nonlocal offset
-        values = struct.unpack_from(fmt, data, offset)
-        offset += struct.calcsize(fmt)
-        return values[0] if len(values) == 1 else values
-
-    def string():
-        nonlocal offset
-        n = take("<H")
-        text = bytes(data[offset:offset + n]).rstrip(b"\0").decode()
-        offset += n
-        return text
-
-    version = take("<I")
-    if version < 5:
-        raise CheckpointError(f"{path}: CTranslate2 model format {version} is not supported")
-    spec, _revision, count = string(), take("<I"), take("<I")
+    reader = _ByteReader(path)
+    version = reader.take("<I", "the format version")
+    if version not in CT2_VERSIONS:
+        raise CheckpointError(f"{path}: CTranslate2 model format {version} is not supported; "
+                              f"expected one of {CT2_VERSIONS}")
+    spec, _revision = reader.string("the spec name"), reader.take("<I", "the spec revision")
     variables = {"__spec__": spec}
-    for _ in range(count):
-        name, rank = string(), take("<B")
-        shape = [take("<I") for _ in range(rank)]
-        dtype, nbytes = take("<B"), take("<I")
-        if dtype not in CT2_DTYPES:
-            raise CheckpointError(f"{path}: variable {name!r} has unsupported dtype code {dtype}")
-        variables[name] = np.frombuffer(data, CT2_DTYPES[dtype], nbytes // np.dtype(
-            CT2_DTYPES[dtype]).itemsize, offset).reshape(shape)
-        offset += nbytes
-    for _ in range(take("<I")):
-        alias, target = string(), string()
+    variables.update(_ct2_variable(reader) for _ in range(reader.take("<I", "the variable count")))
+    for _ in range(reader.take("<I", "the alias count")):
+        alias, target = reader.string("an alias"), reader.string("an alias target")
+        if target not in variables:
+            raise CheckpointError(f"{path}: alias {alias!r} names {target!r}, which the file "
+                                  "does not hold")
         variables[alias] = variables[target]
     return variables
 
 
+def _ct2_variable(reader: _ByteReader) -> tuple:
+    """(name, array): name, rank (uint8), shape (uint32s), dtype code (uint8), byte count
+    (uint32), data."""
+    name = reader.string("a variable name")
+    what = f"variable {name!r}"
+    shape = tuple(reader.take("<I", what) for _ in range(reader.take("<B", what)))
+    code, nbytes = reader.take("<B", what), reader.take("<I", what)
+    if code not in CT2_DTYPES:
+        raise CheckpointError(f"{reader.path}: {what} has unsupported dtype code {code}")
+    expected = math.prod(shape) * np.dtype(CT2_DTYPES[code]).itemsize
+    if nbytes != expected:
+        raise CheckpointError(f"{reader.path}: {what} of shape {shape} and dtype "
+                              f"{np.dtype(CT2_DTYPES[code])} takes {expected} bytes, but the "
+                              f"file says {nbytes}")
+    return name, reader.array(CT2_DTYPES[code], shape, what)
+
+
 def load_ct2_whisper(directory: str, dtype=None) -> Params:
     """A CTranslate2 Whisper directory (model.bin, config.json, tokenizer.json)."""
-    from tokenizers import Tokenizer
+    from jaxkv.tokenizer import read_tokenizer  # tokenizer imports this module
 
     source = os.path.join(directory, "model.bin")
     variables = read_ct2(source)
     if variables["__spec__"] != "WhisperSpec":
         raise CheckpointError(f"{source}: CTranslate2 spec {variables['__spec__']!r} is not "
                               "supported; expected 'WhisperSpec'")
-    with open(os.path.join(directory, "config.json")) as f:
-        ct2_config = json.load(f)
-    tokenizer = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
-    vocab, d_model = variables["decoder/embeddings/weight"].shape
+    ct2_config = read_json(os.path.join(directory, "config.json"))
+    tokenizer = read_tokenizer(os.path.join(directory, "tokenizer.json"))
+    config = _build_config(lambda: _ct2_whisper_config(variables, ct2_config, tokenizer, source),
+                           source)
+    return convert.build_params(config, convert.ct2_whisper_map(config), variables.get, source,
+                                dtype or jnp.float32)
+
+
+def _ct2_whisper_config(variables: dict, ct2_config: dict, tokenizer, source: str) -> Config:
+    def var(name):
+        if name not in variables:
+            raise CheckpointError(f"{source}: missing variable {name!r}")
+        return variables[name]
+
+    vocab, d_model = var("decoder/embeddings/weight").shape
     layers = lambda side: len({m.group(1) for k in variables  # noqa: E731
                                if (m := re.match(rf"{side}/layer_(\d+)/", k))})
-    config = Config.whisper(
+    return Config.whisper(
         vocab_size=vocab, d_model=d_model, n_layers=layers("decoder"),
-        n_encoder_layers=layers("encoder"), n_heads=int(variables["decoder/num_heads"]),
-        d_ff=variables["decoder/layer_0/ffn/linear_0/weight"].shape[0],
-        n_mels=variables["encoder/conv1/weight"].shape[1],
-        max_source_len=variables["encoder/position_encodings/encodings"].shape[0],
-        max_seq_len=variables["decoder/position_encodings/encodings"].shape[0],
+        n_encoder_layers=layers("encoder"), n_heads=int(var("decoder/num_heads")),
+        d_ff=var("decoder/layer_0/ffn/linear_0/weight").shape[0],
+        n_mels=var("encoder/conv1/weight").shape[1],
+        max_source_len=var("encoder/position_encodings/encodings").shape[0],
+        max_seq_len=var("decoder/position_encodings/encodings").shape[0],
         decoder_start_id=tokenizer.token_to_id("<|startoftranscript|>"),
         eos_id=tokenizer.token_to_id("<|endoftext|>"),
         suppress_ids=tuple(ct2_config.get("suppress_ids", ())),
         begin_suppress_ids=tuple(ct2_config.get("suppress_ids_begin", ())))
-    return convert.build_params(config, convert.ct2_whisper_map(config), variables.get, source,
-                                dtype or jnp.float32)
 
 
 # ---- GGUF ---------------------------------------------------------------------------------
@@ -264,7 +416,12 @@ def load_ct2_whisper(directory: str, dtype=None) -> Params:
 def _gguf_reader(path: str, mtime: float):
     import gguf
 
-    return gguf.GGUFReader(path)
+    try:
+        return gguf.GGUFReader(path)
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the reader fails on bad bytes in many ways
+        raise _parse_error(path, "GGUF file", e) from None
 
 
 def gguf_reader(path: str):
@@ -279,27 +436,43 @@ def gguf_field(reader, key, default=None):
     return default if field is None else field.contents()
 
 
+def gguf_required(reader, key: str, source: str):
+    """A metadata value the file must hold."""
+    value = gguf_field(reader, key)
+    if value is None:
+        raise CheckpointError(f"{source}: GGUF metadata lacks the required key {key!r}")
+    return value
+
+
 def config_from_gguf(reader, source: str) -> Config:
     arch = gguf_field(reader, "general.architecture")
     if arch != "llama":
         raise CheckpointError(f"{source}: GGUF architecture {arch!r} is not supported; expected "
                               "'llama'")
     get = lambda key, default=None: gguf_field(reader, f"llama.{key}", default)  # noqa: E731
-    n_heads, d_model = get("attention.head_count"), get("embedding_length")
-    if get("rope.scaling.type", "none") not in ("none", "linear") or get("rope.scaling.factor", 1.0) != 1.0:
+    need = lambda key: gguf_required(reader, f"llama.{key}", source)  # noqa: E731
+    n_heads, d_model = need("attention.head_count"), need("embedding_length")
+    if get("rope.scaling.type", "none") not in ("none", "linear") or \
+            get("rope.scaling.factor", 1.0) != 1.0:
         raise CheckpointError(f"{source}: rope scaling is not supported")
-    vocab = get("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
+    vocab = get("vocab_size") or len(gguf_required(reader, "tokenizer.ggml.tokens", source))
     names = {t.name for t in reader.tensors}
-    return Config.llama(
-        vocab_size=vocab, d_model=d_model, n_layers=get("block_count"), n_heads=n_heads,
+    return _build_config(lambda: Config.llama(
+        vocab_size=vocab, d_model=d_model, n_layers=need("block_count"), n_heads=n_heads,
         n_kv_heads=get("attention.head_count_kv", n_heads),
         head_dim=get("attention.key_length", d_model // n_heads),
-        d_ff=get("feed_forward_length"), max_seq_len=get("context_length", 2048),
+        d_ff=need("feed_forward_length"), max_seq_len=get("context_length", 2048),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         tie_embeddings="output.weight" not in names,
-        bos_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"))
+        bos_id=_gguf_id(reader, "bos", vocab, source),
+        eos_id=_gguf_id(reader, "eos", vocab, source)), source)
+
+
+def _gguf_id(reader, which: str, vocab_size: int, source: str):
+    """tokenizer.ggml.{which}_token_id, dropped (with a warning) if outside the vocabulary."""
+    key = f"tokenizer.ggml.{which}_token_id"
+    return _in_vocab(gguf_field(reader, key), key, vocab_size, source)
 
 
 def load_gguf(path: str, dtype=None) -> Params:
@@ -318,7 +491,7 @@ def load_gguf(path: str, dtype=None) -> Params:
     return convert.build_params(config, name_map, get_tensor, path, dtype or jnp.float32)
 
 
-# ---- jaxkv's own format (orbax) -----------------------------------------------------------
+# ---- jaxkv's own format (orbax + manifest) ------------------------------------------------
 
 def _flat(params):
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -326,7 +499,8 @@ def _flat(params):
 
 
 def save(params: Params, path, tokenizer=None, chat_template: str | None = None) -> None:
-    """Writes params (bitwise) with orbax, plus the config; optionally the tokenizer too."""
+    """Writes params (bitwise) with orbax, plus the config; optionally the tokenizer too. Last,
+    MANIFEST: the size and sha256 of every file written, which load checks."""
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
@@ -335,16 +509,25 @@ def save(params: Params, path, tokenizer=None, chat_template: str | None = None)
             "chat_template": chat_template}
     with open(os.path.join(path, SAVED_CONFIG), "w") as f:
         json.dump(meta, f, indent=2)
+    written = [SAVED_CONFIG, *_files_under(path, "params")]
     if tokenizer is not None:
         tokenizer.save(os.path.join(path, "tokenizer.json"))
+        written.append("tokenizer.json")
+    _write_manifest(path, written)
 
 
 def load_saved(path: str, dtype=None) -> Params:
-    """Params written by save, bitwise as saved (dtype=None) or cast to dtype."""
+    """Params written by save, bitwise as saved (dtype=None) or cast to dtype.
+
+    Every file is first checked against the manifest save wrote: one missing, or whose size or
+    sha256 differs, is a CheckpointError naming it (files the manifest does not list are
+    ignored). A directory without a manifest (saved before jaxkv wrote one) loads with a
+    warning that it is unverified."""
     path = os.path.abspath(path)
-    with open(os.path.join(path, SAVED_CONFIG)) as f:
-        meta = json.load(f)
-    config = Config.from_dict(meta["config"])
+    verify_saved(path)
+    source = os.path.join(path, SAVED_CONFIG)
+    meta = read_json(source)
+    config = _build_config(lambda: Config.from_dict(meta["config"]), source)
     skeleton = jax.eval_shape(lambda: init_params(config, jax.random.key(0),
                                                   jnp.dtype(meta["dtype"])))
     with ocp.StandardCheckpointer() as ckptr:
@@ -354,3 +537,84 @@ def load_saved(path: str, dtype=None) -> Params:
     if dtype is not None and jnp.dtype(dtype) != params.dtype:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
     return params
+
+
+def _files_under(path: str, folder: str) -> list[str]:
+    """Every file under path/folder, as '/'-separated paths relative to path."""
+    found = []
+    for root, _dirs, files in os.walk(os.path.join(path, folder)):
+        found += [os.path.relpath(os.path.join(root, f), path).replace(os.sep, "/")
+                  for f in files]
+    return sorted(found)
+
+
+def _sha256(file: str, chunk_bytes: int = 1 << 24) -> str:
+    """Hex sha256 of a file, read in chunks: checkpoints can be larger than memory."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(path: str, names: list[str]) -> None:
+    """MANIFEST: {"files": {relative path: {"size": bytes, "sha256": hex}}}."""
+    files = {}
+    for name in names:
+        file = os.path.join(path, *name.split("/"))
+        files[name] = {"size": os.path.getsize(file), "sha256": _sha256(file)}
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump({"format": "jaxkv-manifest-1", "files": files}, f, indent=1)
+
+
+def _manifest_files(path: str) -> dict | None:
+    """The manifest's {relative path: {"size", "sha256"}}, or None if path has no manifest."""
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(file):
+        return None
+    files = read_json(file).get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and {"size", "sha256"} <= e.keys() for e in files.values()):
+        raise CheckpointError(f"{file}: not a jaxkv manifest (expected "
+                              '{"files": {path: {"size": ..., "sha256": ...}}})')
+    return files
+
+
+def _file_problem(path: str, name: str, entry: dict) -> str | None:
+    """What is wrong with path/name against its manifest entry, or None if nothing."""
+    file = os.path.join(path, *name.split("/"))
+    if not os.path.isfile(file):
+        return f"{name}: missing"
+    size = os.path.getsize(file)
+    if size != entry["size"]:
+        return (f"{name}: {size} bytes, expected {entry['size']}: the file changed since "
+                "jaxkv.save wrote it")
+    if _sha256(file) != entry["sha256"]:
+        return f"{name}: sha256 mismatch: the file changed since jaxkv.save wrote it"
+    return None
+
+
+def _check_files(path: str, entries: dict) -> None:
+    problems = [p for name in sorted(entries) if (p := _file_problem(path, name, entries[name]))]
+    if problems:
+        raise CheckpointError(f"{path}: jaxkv.save directory failed verification against "
+                              f"{MANIFEST}: " + "; ".join(problems))
+
+
+def verify_saved(path: str) -> None:
+    """Checks every file a jaxkv.save directory's manifest lists (see load_saved); without a
+    manifest, warns that the directory is unverified."""
+    files = _manifest_files(path)
+    if files is None:
+        warnings.warn(f"{path}: no {MANIFEST} (saved by an older jaxkv?); loading it "
+                      "unverified: corrupted files will not be detected")
+        return
+    _check_files(path, files)
+
+
+def verify_saved_file(directory: str, name: str) -> None:
+    """Checks one file of a jaxkv.save directory if its manifest lists it; anything else (a
+    Hugging Face directory, a file the manifest does not list) passes unchecked."""
+    files = _manifest_files(directory)
+    if files is not None and name in files:
+        _check_files(directory, {name: files[name]})

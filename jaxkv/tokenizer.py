@@ -1,31 +1,49 @@
 """Tokenizers (the `tokenizers` library) and chat templates, from HF directories, GGUF files
 and jaxkv.save directories."""
 
-import json
 import os
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from jaxkv.checkpoint import SAVED_CONFIG, gguf_field, gguf_reader
+from jaxkv.checkpoint import (SAVED_CONFIG, gguf_field, gguf_reader, gguf_required, read_json,
+                              verify_saved_file)
+from jaxkv.convert import CheckpointError
 
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 
 
 def load_tokenizer(path) -> Tokenizer:
-    """A tokenizers.Tokenizer for a Hugging Face / jaxkv.save directory or a GGUF file."""
+    """A tokenizers.Tokenizer for a Hugging Face / jaxkv.save directory or a GGUF file. In a
+    jaxkv.save directory, tokenizer.json is first checked against the save's manifest."""
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
         return tokenizer_from_gguf(gguf_reader(path), path)
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        verify_saved_file(path, "tokenizer.json")
+        return read_tokenizer(os.path.join(path, "tokenizer.json"))
     vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
     if os.path.isfile(vocab) and os.path.isfile(merges):  # GPT-2's original files
-        tok = Tokenizer(models.BPE.from_file(vocab, merges))
+        tok = Tokenizer(_parsed(f"{vocab} + {merges}", "vocab.json + merges.txt",
+                                models.BPE.from_file, vocab, merges))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         return tok
     raise FileNotFoundError(f"load_tokenizer: no tokenizer.json (or vocab.json + merges.txt) in "
                             f"{path!r}, and it is not a .gguf file")
+
+
+def read_tokenizer(file: str) -> Tokenizer:
+    """Tokenizer.from_file; a file it cannot parse is a CheckpointError naming it."""
+    return _parsed(file, "tokenizer.json", Tokenizer.from_file, file)
+
+
+def _parsed(source: str, what: str, parse, *args):
+    try:
+        return parse(*args)
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exceptions
+        raise CheckpointError(f"{source}: not a valid {what}: {e}") from None
 
 
 def tokenizer_from_gguf(reader, source: str = "GGUF") -> Tokenizer:
@@ -34,8 +52,9 @@ def tokenizer_from_gguf(reader, source: str = "GGUF") -> Tokenizer:
     if kind != "gpt2":
         raise ValueError(f"{source}: GGUF tokenizer model {kind!r} is not supported (only 'gpt2' "
                          "byte-level BPE); use a directory with tokenizer.json")
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
+    tokens = gguf_required(reader, "tokenizer.ggml.tokens", source)
+    merges = [tuple(m.split(" ", 1))
+              for m in gguf_required(reader, "tokenizer.ggml.merges", source)]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if gguf_field(reader, "tokenizer.ggml.pre") == "smollm":  # llama.cpp splits digits first
@@ -67,8 +86,8 @@ def chat_template(path) -> str | None:
     for name, key in ((SAVED_CONFIG, "chat_template"), ("tokenizer_config.json", "chat_template")):
         file = os.path.join(path, name)
         if os.path.isfile(file):
-            with open(file) as f:
-                template = json.load(f).get(key)
+            verify_saved_file(path, name)
+            template = read_json(file).get(key)
             if template:
                 return template
     return None
