@@ -179,6 +179,7 @@ def _layers(config, cache, fields, expected, name, layout):
 
 
 def prefill_args(config, cache, tokens, lengths, start):
+    cache_layout(config, cache)
     tokens_BT = tokens_2d(config, tokens, "tokens")
     B, T = tokens_BT.shape
     if B != cache.batch_size:
@@ -199,6 +200,7 @@ def prefill_args(config, cache, tokens, lengths, start):
 
 
 def decode_args(config, cache, token, pos):
+    cache_layout(config, cache)
     B = cache.batch_size
     token_B = token_ids(config, token, "token", 1)
     pos_B = int_array(pos, "pos", 1, (0, cache.capacity), "is outside the cache: expected 0 "

@@ -1,0 +1,294 @@
+"""Bad input, inside jit or out: every case is an error naming the argument, what was expected
+and what came; nothing is clamped, dropped, wrapped or NaN. (Checkpoint files:
+test_bad_checkpoints.py; the command line: test_cli.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import checks
+from tests.conftest import CONFIGS, ENCDEC_CONFIGS
+
+RUNTIME = (ValueError, jax.errors.JaxRuntimeError)  # eager: ValueError; compiled: XLA's error
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(1))
+
+
+@pytest.fixture(scope="module")
+def cache(params):
+    return jaxkv.init_cache(params, 2, 16)
+
+
+@pytest.fixture(scope="module")
+def step():
+    return jax.jit(jaxkv.decode_step)
+
+
+def run(fn, *args):
+    return jax.block_until_ready(fn(*args))
+
+
+# ---- decode_step: values, inside and outside jit ------------------------------------------
+
+@pytest.mark.parametrize("token, pos, match", [
+    ([1, 2], [3, 16], r"pos\[1\] = 16 is outside the cache: expected 0 <= pos < capacity \(16\)"),
+    ([1, 2], [-1, 3], r"pos\[0\] = -1 is outside the cache"),
+    ([1, 97], [3, 3], r"token\[1\] = 97 is not a token id: expected 0 <= id < vocab_size \(97\)"),
+    ([-5, 2], [3, 3], r"token\[0\] = -5 is not a token id"),
+])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "jit"])
+def test_decode_step_values(params, cache, step, token, pos, match, compiled):
+    fn = step if compiled else jaxkv.decode_step
+    with pytest.raises(RUNTIME, match=match):
+        run(fn, params, cache, jnp.array(token), jnp.array(pos))
+
+
+def test_readme_loop_past_the_cache_is_an_error(params):
+    """The README's loop, run past a 16-slot cache: it wrote nowhere and returned plausible
+    logits before; now the step that would write past the cache raises."""
+    step = jax.jit(jaxkv.decode_step, donate_argnames="cache")
+    cache = jaxkv.init_cache(params, 1, 16)
+    logits_BV, cache = jaxkv.prefill(params, cache, np.arange(1, 13)[None])
+    token_B, pos_B = logits_BV.argmax(-1), jnp.array([12])
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"pos\[0\] = 16 is outside the cache"):
+        for _ in range(8):
+            logits_BV, cache = step(params, cache, token_B, pos_B)
+            token_B, pos_B = jax.block_until_ready(logits_BV).argmax(-1), pos_B + 1
+
+
+def test_bad_position_under_scan(params, cache):
+    def body(cache, pos_B):
+        logits_BV, cache = jaxkv.decode_step(params, cache, jnp.array([1, 2]), pos_B)
+        return cache, logits_BV
+
+    positions_NB = jnp.array([[0, 0], [1, 1], [2, 40]])
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"pos\[1\] = 40 is outside the cache"):
+        run(jax.jit(lambda c, p: jax.lax.scan(body, c, p)), cache, positions_NB)
+
+
+def test_bad_token_under_vmap(params, cache):
+    """vmap over candidate tokens; one of them is past the vocabulary."""
+    fn = jax.jit(jax.vmap(lambda tok: jaxkv.decode_step(params, cache, tok, jnp.array([0, 0]))[0]))
+    run(fn, jnp.array([[1, 2], [3, 4]]))  # fine
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"= 200 is not a token id"):
+        run(fn, jnp.array([[1, 2], [3, 200]]))
+
+
+def test_int64_id_does_not_wrap(params, cache):
+    token = np.array([2**32 + 5, 1], np.int64)
+    with pytest.raises(ValueError, match=r"token\[0\] = 4294967301 is not a token id"):
+        jaxkv.decode_step(params, cache, token, np.array([0, 0]))
+
+
+def test_float_tokens_are_an_error(params, cache):
+    with pytest.raises(TypeError, match="token must hold integer token ids"):
+        jaxkv.decode_step(params, cache, np.array([1.0, 2.0]), np.array([0, 0]))
+
+
+def test_checks_can_be_switched_off(params, cache):
+    """The documented switch: compiled checks left out (a bad position then writes nowhere)."""
+    try:
+        checks.set_value_checks(False)
+        logits_BV, _ = run(jax.jit(jaxkv.decode_step), params, cache, jnp.array([1, 2]),
+                           jnp.array([0, 16]))
+        assert logits_BV.shape == (2, 97)
+    finally:
+        checks.set_value_checks(True)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="outside the cache"):
+        run(jax.jit(jaxkv.decode_step), params, cache, jnp.array([1, 2]), jnp.array([0, 16]))
+
+
+def test_checks_do_not_change_results(params, cache, step):
+    token_B, pos_B = jnp.array([5, 6]), jnp.array([0, 0])
+    on, _ = run(step, params, cache, token_B, pos_B)
+    try:
+        checks.set_value_checks(False)
+        off, _ = run(jax.jit(jaxkv.decode_step), params, cache, token_B, pos_B)
+    finally:
+        checks.set_value_checks(True)
+    np.testing.assert_array_equal(on, off)
+
+
+# ---- prefill, extend, forests --------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens, lengths, start, match", [
+    ([[1, 2, 3], [4, 5, 97]], None, None, r"tokens\[1, 2\] = 97 is not a token id"),
+    ([[1, 2, 3], [4, 5, 6]], [3, 4], None, r"lengths\[1\] = 4 is not a prompt length"),
+    ([[1, 2, 3], [4, 5, 6]], [3, 0], None, r"lengths\[1\] = 0 is not a prompt length"),
+    ([[1, 2, 3], [4, 5, 6]], None, [0, -2], r"start\[1\] = -2 is not a cache slot"),
+    ([[1, 2, 3], [4, 5, 6]], None, [0, 14], r"start \+ lengths\[1\] = 17 slots are needed: the "
+                                            r"prompt is longer than the cache \(capacity 16\)"),
+])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "jit"])
+def test_prefill_values(params, cache, tokens, lengths, start, match, compiled):
+    fn = jax.jit(jaxkv.prefill) if compiled else jaxkv.prefill
+    args = [jnp.array(x) if x is not None else None for x in (tokens, lengths, start)]
+    with pytest.raises(RUNTIME, match=match):
+        run(fn, params, cache, *args)
+
+
+def test_prefill_longer_than_max_seq_len(params):
+    cache = jaxkv.init_cache(params, 1, 256)
+    with pytest.raises(ValueError, match=r"tokens has 130 positions, more than the model's "
+                                         r"max_seq_len \(128\)"):
+        jaxkv.prefill(params, cache, np.ones((1, 130), np.int32))
+
+
+@pytest.mark.parametrize("tokens, pos, slot, match", [
+    ([[1, 97]], [[0, 1]], [[0, 1]], r"tokens\[0, 1\] = 97 is not a token id"),
+    ([[1, 2]], [[0, -1]], [[0, 1]], r"pos\[0, 1\] = -1 is not a position"),
+    ([[1, 2]], [[0, 1]], [[0, -1]], r"slot\[0, 1\] = -1 is not a cache slot"),
+])
+def test_extend_values_under_jit(params, tokens, pos, slot, match):
+    cache = jaxkv.init_cache(params, 1, 16)
+    mask = jnp.tril(jnp.ones((1, 2, 16), bool), 0)
+    fn = jax.jit(jaxkv.extend)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+        run(fn, params, cache, jnp.array(tokens), jnp.array(pos), jnp.array(slot), mask)
+
+
+def test_forest_token_out_of_range(params):
+    with pytest.raises(ValueError, match=r"tokens\[0, 2\] = 120 is not a token id"):
+        jaxkv.forest_logits(params, tokens=[1, 2, 120], parents=[-1, 0, 0])
+
+
+def test_forest_prefix_token_out_of_range(params):
+    with pytest.raises(ValueError, match=r"tokens\[0, 1\] = -4 is not a token id"):
+        jaxkv.forest_logits(params, tokens=[1, 2], parents=[-1, 0], prefix=[3, -4])
+
+
+def test_branches_prompt_out_of_range(params):
+    with pytest.raises(ValueError, match=r"prompt\[2\] = 97 is not a token id"):
+        jaxkv.generate_branches(params, [1, 2, 97], 2, 4)
+
+
+def test_beam_search_numpy_sizes(params):
+    tokens, _, _ = jaxkv.beam_search(params, [1, 2, 3], np.int64(2), np.int32(3))
+    assert tokens.shape == (2, 3)
+
+
+# ---- the cache must be the model's ---------------------------------------------------------
+
+def bad_caches(params):
+    good = jaxkv.init_cache(params, 1, 16)
+    L = params.config.n_layers
+    return {
+        "int8": (good.replace(k=tuple(k.astype(jnp.int8) for k in good.k)),
+                 TypeError, r"cache.k\[0\] has dtype int8; expected a float dtype"),
+        "one layer more": (good.replace(k=good.k + good.k[:1], v=good.v + good.v[:1]),
+                           ValueError, f"cache.k has {L + 1} layers; the model has {L}"),
+        "one layer less": (good.replace(k=good.k[:-1], v=good.v[:-1]),
+                           ValueError, f"cache.k has {L - 1} layers; the model has {L}"),
+        "kv heads": (good.replace(v=tuple(jnp.zeros((1, 4, 16, 16)) for _ in good.v)),
+                     ValueError, r"cache.v\[0\] has shape \(1, 4, 16, 16\); this model needs "
+                                 r"\(1, 2, 16, 16\)"),
+        "head dim": (good.replace(k=tuple(jnp.zeros((1, 2, 16, 8)) for _ in good.k)),
+                     ValueError, r"cache.k\[0\] has shape \(1, 2, 16, 8\)"),
+        "not a cache": ({"k": good.k, "v": good.v}, TypeError, "cache must be a jaxkv.KVCache"),
+    }
+
+
+@pytest.mark.parametrize("case", ["int8", "one layer more", "one layer less", "kv heads",
+                                  "head dim", "not a cache"])
+def test_cache_of_another_model(params, step, case):
+    cache, error, match = bad_caches(params)[case]
+    with pytest.raises(error, match=match):
+        step(params, cache, jnp.array([1]), jnp.array([0]))
+
+
+def test_encoder_decoder_cache_without_cross_kv():
+    t5 = jaxkv.init_params(ENCDEC_CONFIGS["t5_relu"], jax.random.key(0))
+    llama_cache = jaxkv.init_cache(
+        jaxkv.init_params(jaxkv.Config.llama(vocab_size=97, d_model=64, n_layers=3, n_heads=4,
+                                             n_kv_heads=4, d_ff=96, max_seq_len=64),
+                          jax.random.key(0)), 1, 16)
+    with pytest.raises(ValueError, match="cache has no cross-attention K/V, but this is an "
+                                         "encoder-decoder model"):
+        jaxkv.decode_step(t5, llama_cache, np.array([0]), np.array([0]))
+
+
+def test_decoder_only_model_with_cross_kv(params):
+    cache = jaxkv.init_cache(params, 1, 16)
+    cache = cache.replace(cross_k=cache.k, cross_v=cache.v, cross_mask=jnp.ones((1, 16), bool))
+    with pytest.raises(ValueError, match="cache holds cross-attention K/V, but this is a "
+                                         "decoder-only model"):
+        jaxkv.decode_step(params, cache, np.array([0]), np.array([0]))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(batch_size=0, max_len=16), ValueError, "batch_size must be a positive int, got 0"),
+    (dict(batch_size=1.5, max_len=16), TypeError, r"batch_size must be a positive int, got 1.5"),
+    (dict(batch_size=True, max_len=16), TypeError, "batch_size must be a positive int, got True"),
+    (dict(batch_size=1, max_len=16, dtype=jnp.int8), ValueError,
+     "dtype must be float32, bfloat16 or float16, got int8"),
+])
+def test_init_cache_arguments(params, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        jaxkv.init_cache(params, **kwargs)
+
+
+def test_init_cache_takes_numpy_ints(params):
+    cache = jaxkv.init_cache(params, np.int64(2), np.int32(16))
+    assert (cache.batch_size, cache.capacity) == (2, 16)
+
+
+# ---- generate and sampling arguments -------------------------------------------------------
+
+@pytest.mark.parametrize("prompts, options, error, match", [
+    ([[1]], dict(temperature=float("inf")), ValueError, "temperature must be finite and >= 0"),
+    ([[1]], dict(temperature=float("nan")), ValueError, "temperature must be finite and >= 0"),
+    ([[1]], dict(temperature="0.5"), TypeError, "temperature must be a number"),
+    ([[1]], dict(top_p="high"), TypeError, "top_p must be a number"),
+    ([[1]], dict(key=42), TypeError, r"key must be a JAX PRNG key such as jax.random.key"),
+    ([[1]], dict(key=np.zeros(3, np.uint32)), TypeError, "key must be a JAX PRNG key"),
+    ([[1]], dict(eos_id=[]), ValueError, "eos_id must be a token id or a non-empty list"),
+    ([[1]], dict(eos_id=-2), ValueError, r"eos_id = -2 is not a token id"),
+    ([[1]], dict(eos_id=2.5), ValueError, "eos_id must be a token id"),
+    ([[1]], dict(pad_id=-1), ValueError, "pad_id must be an int >= 0, got -1"),
+    ([[1]], dict(max_len=2.0), TypeError, "max_len must be a positive int"),
+    ("hello", {}, TypeError, "prompts must be token ids .*encode it first"),
+    (["hello", "world"], {}, TypeError, "prompts must be token ids .*got text"),
+    ([[1] * 130], {}, ValueError, r"130 \+ 4 = 134 positions, more than the model's max_seq_len "
+                                  r"\(128\)"),
+    ([[1] * 126], dict(max_len=256), ValueError, r"126 \+ 4 = 130 positions, more than the "
+                                                 r"model's max_seq_len \(128\)"),
+    ([np.array([2**32 + 1])], {}, ValueError, r"prompts\[0\]\[0\] = 4294967297 is not a token"),
+])
+def test_generate_arguments(params, prompts, options, error, match):
+    with pytest.raises(error, match=match):
+        jaxkv.generate(params, prompts, 4, **options)
+
+
+def test_generate_takes_numpy_ints(params):
+    tokens, lengths = jaxkv.generate(params, [[1, 2]], np.int64(3), max_len=np.int32(32),
+                                     eos_id=np.int64(5), pad_id=np.int32(0))
+    assert tokens.shape == (1, 3) and lengths.shape == (1,)
+
+
+def test_suppressed_ids_never_drawn_at_high_temperature(params):
+    suppressed = list(range(0, 97, 2))
+    tokens, _ = jaxkv.generate(params, [[1, 2], [3]], 12, temperature=1e30,
+                               suppress_ids=suppressed, key=jax.random.key(0))
+    assert not np.isin(np.asarray(tokens), suppressed).any()
+
+
+class Stop(Exception):
+    pass
+
+
+def test_on_token_exception_surfaces_as_itself(params):
+    seen = []
+
+    def on_token(token_B):
+        seen.append(token_B)
+        if len(seen) == 3:
+            raise Stop("enough")
+
+    with pytest.raises(Stop, match="enough"):
+        jaxkv.generate(params, [[1, 2]], 8, on_token=on_token)
+    assert len(seen) == 3
