@@ -2,12 +2,14 @@
 
 from jaxkv.audio import load_audio, log_mel
 from jaxkv.cache import KVCache, init_cache
+from jaxkv.checks import OutOfRange, set_value_checks
 from jaxkv.checkpoint import load, save
 from jaxkv.config import Config, EncoderConfig
 from jaxkv.convert import CheckpointError
 from jaxkv.decoder import decode_step, extend, forward, prefill
 from jaxkv.encoder import encode
 from jaxkv.generate import generate
+from jaxkv.locate import default_model, default_whisper
 from jaxkv.multidecode import (Forest, Prefix, accept, accept_branch, accept_node, beam_search,
                                build_forest, decode_branches, forest_logits, forest_pass,
                                generate_branches, make_prefix, score_continuations)
@@ -17,11 +19,11 @@ from jaxkv.tokenizer import apply_chat_template, chat_template, load_tokenizer
 from jaxkv.tracecount import TRACE_COUNTS as trace_counts
 
 __all__ = [
-    "CheckpointError", "Config", "EncoderConfig", "Forest", "KVCache", "Params", "Prefix",
-    "SamplingParams", "accept", "accept_branch", "accept_node", "apply_chat_template",
+    "CheckpointError", "Config", "EncoderConfig", "Forest", "KVCache", "OutOfRange", "Params",
+    "Prefix", "SamplingParams", "accept", "accept_branch", "accept_node", "apply_chat_template",
     "beam_search", "build_forest", "cast", "chat_template", "decode_branches", "decode_step",
-    "encode", "extend", "forest_logits", "forest_pass", "forward", "generate",
-    "generate_branches", "init_cache", "init_params", "load", "load_audio", "load_tokenizer",
-    "log_mel", "make_prefix", "prefill", "sample", "sampling_params", "save",
-    "score_continuations", "trace_counts",
+    "default_model", "default_whisper", "encode", "extend", "forest_logits", "forest_pass",
+    "forward", "generate", "generate_branches", "init_cache", "init_params", "load",
+    "load_audio", "load_tokenizer", "log_mel", "make_prefix", "prefill", "sample",
+    "sampling_params", "save", "score_continuations", "set_value_checks", "trace_counts",
 ]

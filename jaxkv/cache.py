@@ -47,9 +47,7 @@ def init_cache(params, batch_size: int, max_len: int, dtype=None, *, encoder_inp
     if c.position == "learned" and max_len > c.max_seq_len:
         raise ValueError(f"init_cache: max_len={max_len} exceeds the model's {c.max_seq_len} "
                          "learned positions")
-    dtype = jnp.dtype(dtype or params.dtype)
-    if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise ValueError(f"init_cache: dtype must be float32, bfloat16 or float16, got {dtype}")
+    dtype = checks.float_dtype(dtype or params.dtype, "init_cache: dtype")
     shape = (batch_size, c.n_kv_heads, max_len, c.head_dim)
     k, v = ([jnp.zeros(shape, dtype) for _ in range(c.n_layers)] for _ in "kv")
     cache = KVCache(k=tuple(k), v=tuple(v))

@@ -20,14 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxkv import convert
+from jaxkv import checks, convert
 from jaxkv.config import Config
 from jaxkv.convert import CheckpointError
 from jaxkv.params import Params, init_params
 
 SAVED_CONFIG = "jaxkv_config.json"
 MANIFEST = "jaxkv_manifest.json"
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def load(path, dtype=None) -> Params:
@@ -42,7 +41,8 @@ def load(path, dtype=None) -> Params:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: {path!r} does not exist")
-    _check_float_dtype(dtype)
+    if dtype is not None:
+        checks.float_dtype(dtype, "load: dtype")
     if os.path.isfile(path) and path.endswith(".gguf"):
         return load_gguf(path, dtype)
     if any(os.path.isfile(os.path.join(path, name)) for name in (SAVED_CONFIG, MANIFEST)):
@@ -55,19 +55,6 @@ def load(path, dtype=None) -> Params:
     raise FileNotFoundError(f"load: {path!r} is neither a .gguf file nor a directory holding "
                             f"config.json (Hugging Face), model.bin (CTranslate2 Whisper) or "
                             f"{SAVED_CONFIG} (jaxkv.save)")
-
-
-def _check_float_dtype(dtype) -> None:
-    """dtype must be None or one of FLOAT_DTYPES."""
-    if dtype is None:
-        return
-    try:
-        name = jnp.dtype(dtype).name
-    except TypeError:
-        name = None
-    if name not in FLOAT_DTYPES:
-        raise ValueError(f"load: dtype must be a float dtype ({', '.join(FLOAT_DTYPES)}), got "
-                         f"{dtype!r}")
 
 
 def read_json(file: str) -> dict:

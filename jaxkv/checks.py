@@ -101,6 +101,21 @@ def int_arg(value, name: str, minimum: int = 1) -> int:
     return n
 
 
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def float_dtype(dtype, name: str):
+    """dtype as a jnp.dtype, which must be float32, bfloat16 or float16."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in FLOAT_DTYPES:
+        got = repr(dtype) if dt is None else dt.name
+        raise ValueError(f"{name} must be a float dtype ({', '.join(FLOAT_DTYPES)}), got {got}")
+    return dt
+
+
 def int_array(x, name: str, ndim: int, bounds=None, what: str = "is out of range"):
     """x as an int32 array of ndim dimensions. Its values are checked to lie in bounds
     (low, high) before the cast, and a concrete array of a wider dtype to fit int32, so an int64
@@ -112,7 +127,8 @@ def int_array(x, name: str, ndim: int, bounds=None, what: str = "is out of range
     if x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(x.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must hold integer token ids/positions, got dtype {x.dtype}")
+        raise TypeError(f"{name} must hold integers (token ids, positions or lengths), got dtype "
+                        f"{x.dtype}")
     if bounds is not None:
         in_range(x, name, *bounds, what)
     elif x.dtype.itemsize > 4 and concrete(x) is not None:

@@ -21,6 +21,10 @@ from jaxkv.tracecount import count_trace
 
 def prepare_prompts(config, prompts, lengths=None):
     """Right-padded tokens [B, bucket(T)] and lengths [B] from ragged lists or a [B, T] array."""
+    if prompts is None or (isinstance(prompts, (list, tuple)) and prompts and
+                           np.ndim(prompts[0]) == 0 and not isinstance(prompts[0], str)):
+        raise TypeError(f"prompts must be a list of token-id lists (one per row) or a [B, T] "
+                        f"array, got {prompts!r:.60}; for one prompt p, pass [p]")
     if isinstance(prompts, (list, tuple)) and not (prompts and isinstance(prompts[0], str)):
         if not prompts:
             raise ValueError("prompts is empty: expected at least one prompt")
@@ -219,6 +223,9 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
                          begin_suppress_ids, "begin_suppress_ids")
     encoder = encoder_args(c, encoder_inputs, encoder_lengths, B)
     rows = (tokens_BT, lengths_B, sampling, row_keys(key, B))
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (see jaxkv.sharding.make_mesh), got "
+                        f"{type(mesh).__name__}")
     if mesh is not None:
         params = shard_params(params, mesh)
         rows = jax.tree.map(lambda x: shard_rows(x, mesh), rows)

@@ -91,10 +91,14 @@ def make_prefix(params, prompts, chunk_size: int | None = None) -> Prefix:
     """Prefill prompts (one token list, or a list of them) once; chunk_size splits the prefill
     into several calls, giving the same cache."""
     _check_model(params)
+    if isinstance(prompts, str) or len(prompts) == 0:
+        raise ValueError(f"prefix must be token ids or a list of token-id lists, got "
+                         f"{prompts!r:.40}")
     rows = [prompts] if np.ndim(prompts[0]) == 0 else list(prompts)
-    lengths = np.array([len(r) for r in rows], np.int32)
+    lengths = np.array([np.size(r) for r in rows], np.int32)
     if (lengths == 0).any():
         raise ValueError(f"prefix[{int(np.argmin(lengths))}] is empty: a prefix needs a token")
+    rows = [checks.token_ids(params.config, r, f"prefix[{b}]", 1) for b, r in enumerate(rows)]
     T = int(lengths.max())
     tokens = np.zeros((len(rows), T), np.int32)
     for b, r in enumerate(rows):
@@ -144,6 +148,7 @@ def forest_pass(params, tokens, parents, prefix: Prefix):
     (or all off one). tokens / parents: lists of 1-D arrays. Node counts are padded to a bucket
     with lone roots that no real node reads."""
     forests = [build_forest(p) for p in parents]
+    tokens = [checks.token_ids(params.config, t, f"tokens[{b}]", 1) for b, t in enumerate(tokens)]
     for b, (t, f) in enumerate(zip(tokens, forests)):
         if np.shape(t) != f.parents.shape:
             raise ValueError(f"tokens[{b}] has shape {np.shape(t)}, parents[{b}] "
@@ -157,7 +162,6 @@ def forest_pass(params, tokens, parents, prefix: Prefix):
     for b, (t, f) in enumerate(zip(tokens, forests)):
         n = f.parents.size
         tokens_BN[b, :n], depth_BN[b, :n], mask_BNN[b, :n, :n] = t, f.depth, f.mask
-    checks.token_ids(params.config, tokens_BN, "tokens", 2)
     _check_positions(params, prefix, int(depth_BN.max()) + 1)
     if prefix.length.shape[0] not in (1, B):
         raise ValueError(f"prefix has {prefix.length.shape[0]} rows; expected 1 or {B}")
@@ -196,9 +200,7 @@ def forest_logits(params, tokens, parents, *, prefix=None):
 def trie(candidates):
     """A forest sharing candidates' common beginnings: (tokens, parents, path of each)."""
     tokens, parents, paths, index = [], [], [], {}
-    for c, cand in enumerate(candidates):
-        if len(cand) == 0:
-            raise ValueError(f"candidates[{c}] is empty")
+    for cand in candidates:
         node, path = -1, []
         for token in np.asarray(cand).tolist():
             key = (node, token)
@@ -219,6 +221,10 @@ def score_continuations(params, context, candidates):
     """
     if len(candidates) == 0:
         raise ValueError("candidates is empty")
+    for i, cand in enumerate(candidates):
+        if np.size(cand) == 0:
+            raise ValueError(f"candidates[{i}] is empty")
+        checks.token_ids(params.config, cand, f"candidates[{i}]", 1)
     prefix = make_prefix(params, context)
     tokens, parents, paths = trie(candidates)
     logits_BNV, _, _ = forest_pass(params, [tokens], [parents], prefix)
@@ -321,12 +327,17 @@ def accept(params, prefix: Prefix, own: KVCache, row: int, slots, capacity: int,
     """A linear cache [1, capacity] holding prefix row prefix_row followed by the chosen path:
     own row `row`, slots `slots` (root first). Returns (cache, next position); ordinary
     decode_step continues from there."""
-    slots = np.asarray(slots, np.int32)
+    n, T = own.batch_size, own.capacity
+    for name, value, bound in (("row", row, n), ("prefix_row", prefix_row, prefix.length.size)):
+        if checks.int_arg(value, name, minimum=0) >= bound:
+            raise ValueError(f"{name} = {value} is out of range: expected 0 <= {name} < {bound} "
+                             "(the rows there are)")
+    slots = checks.int_array(slots, "slots", 1, (0, T), f"is not a slot of the node cache "
+                             f"(capacity {T})")
     end = int(prefix.length[prefix_row]) + slots.size
     if end > capacity:
         raise ValueError(f"capacity {capacity} is too small for prefix + path ({end} slots)")
-    return _compact(params, prefix, prefix_row, own, row, jnp.asarray(slots),
-                    capacity=capacity), end
+    return _compact(params, prefix, prefix_row, own, row, slots, capacity=capacity), end
 
 
 def accept_branch(params, prefix: Prefix, branches: Branches, b: int, capacity: int):

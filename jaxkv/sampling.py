@@ -110,6 +110,9 @@ def argmax(x_BV):
 
 def sample(logits_BV, params: SamplingParams, keys_B, step, seen_BV):
     """Next token [B] int32. seen_BV marks the tokens the repetition penalty applies to."""
+    if keys_B.shape != logits_BV.shape[:1]:
+        raise ValueError(f"keys must be one key per row, shape {logits_BV.shape[:1]}, got "
+                         f"{keys_B.shape} (jaxkv.sampling.row_keys makes them)")
     logits_BV = apply_repetition_penalty(logits_BV.astype(jnp.float32), seen_BV,
                                          params.repetition_penalty)
     greedy_B = argmax(logits_BV)

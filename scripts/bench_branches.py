@@ -39,7 +39,7 @@ MODELS = {
 
 def load_model(name):
     if name == "smollm2":
-        from jaxkv.cli import default_model
+        from jaxkv.locate import default_model
 
         return jaxkv.load(default_model())
     return jaxkv.init_params(jaxkv.Config.llama(**MODELS[name]), jax.random.key(0))

@@ -80,7 +80,7 @@ def load_models(name, workdir):
     import transformers
 
     if name == "smollm2":
-        from jaxkv.cli import default_model
+        from jaxkv.locate import default_model
 
         path = default_model()
         hf = lambda dtype: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731

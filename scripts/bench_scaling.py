@@ -95,7 +95,7 @@ def main():
     ap.add_argument("--out", default="results/bench_scaling")
     args = ap.parse_args()
     if args.model == "smollm2":
-        from jaxkv.cli import default_model
+        from jaxkv.locate import default_model
 
         args.model = default_model()
     params = jaxkv.load(args.model)

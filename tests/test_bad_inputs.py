@@ -86,7 +86,7 @@ def test_int64_id_does_not_wrap(params, cache):
 
 
 def test_float_tokens_are_an_error(params, cache):
-    with pytest.raises(TypeError, match="token must hold integer token ids"):
+    with pytest.raises(TypeError, match="token must hold integers"):
         jaxkv.decode_step(params, cache, np.array([1.0, 2.0]), np.array([0, 0]))
 
 
@@ -153,12 +153,12 @@ def test_extend_values_under_jit(params, tokens, pos, slot, match):
 
 
 def test_forest_token_out_of_range(params):
-    with pytest.raises(ValueError, match=r"tokens\[0, 2\] = 120 is not a token id"):
+    with pytest.raises(ValueError, match=r"tokens\[0\]\[2\] = 120 is not a token id"):
         jaxkv.forest_logits(params, tokens=[1, 2, 120], parents=[-1, 0, 0])
 
 
 def test_forest_prefix_token_out_of_range(params):
-    with pytest.raises(ValueError, match=r"tokens\[0, 1\] = -4 is not a token id"):
+    with pytest.raises(ValueError, match=r"prefix\[0\]\[1\] = -4 is not a token id"):
         jaxkv.forest_logits(params, tokens=[1, 2], parents=[-1, 0], prefix=[3, -4])
 
 
@@ -225,7 +225,7 @@ def test_decoder_only_model_with_cross_kv(params):
     (dict(batch_size=1.5, max_len=16), TypeError, r"batch_size must be a positive int, got 1.5"),
     (dict(batch_size=True, max_len=16), TypeError, "batch_size must be a positive int, got True"),
     (dict(batch_size=1, max_len=16, dtype=jnp.int8), ValueError,
-     "dtype must be float32, bfloat16 or float16, got int8"),
+     r"init_cache: dtype must be a float dtype \(float32, bfloat16, float16\), got int8"),
 ])
 def test_init_cache_arguments(params, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -292,3 +292,40 @@ def test_on_token_exception_surfaces_as_itself(params):
     with pytest.raises(Stop, match="enough"):
         jaxkv.generate(params, [[1, 2]], 8, on_token=on_token)
     assert len(seen) == 3
+
+
+# ---- the rest of the API ---------------------------------------------------------------------
+
+def branches(params):
+    return jaxkv.decode_branches(params, [1, 2], 2, 3)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda p: jaxkv.forest_logits(p, tokens=["a", "b"], parents=[-1, 0]), TypeError,
+     r"tokens\[0\] must be token ids \(ints\), got text"),
+    (lambda p: jaxkv.score_continuations(p, [1, 2], ["a"]), TypeError,
+     r"candidates\[0\] must be token ids"),
+    (lambda p: jaxkv.score_continuations(p, [1, 2], [[3], [98]]), ValueError,
+     r"candidates\[1\]\[0\] = 98 is not a token id"),
+    (lambda p: jaxkv.make_prefix(p, []), ValueError, "prefix must be token ids"),
+    (lambda p: jaxkv.make_prefix(p, "hi"), ValueError, "prefix must be token ids"),
+    (lambda p: jaxkv.beam_search(p, "hi", 2, 3), TypeError, "prompt must be token ids"),
+    (lambda p: jaxkv.accept_branch(p, *branches(p), 5, 16), ValueError,
+     r"row = 5 is out of range: expected 0 <= row < 2"),
+    (lambda p: jaxkv.accept(p, *branches(p)[:1], branches(p)[1].cache, 0, [0, 7], 16),
+     ValueError, r"slots\[1\] = 7 is not a slot of the node cache \(capacity 3\)"),
+    (lambda p: jaxkv.cast(p, jnp.int8), ValueError, "cast: dtype must be a float dtype"),
+    (lambda p: jaxkv.generate(p, [1, 2, 3], 3), TypeError,
+     r"prompts must be a list of token-id lists .*for one prompt p, pass \[p\]"),
+    (lambda p: jaxkv.generate(p, None, 3), TypeError, "prompts must be a list of token-id lists"),
+    (lambda p: jaxkv.generate(p, [[1]], 3, mesh="x"), TypeError,
+     "mesh must be a jax.sharding.Mesh"),
+    (lambda p: jaxkv.sample(jnp.zeros((1, 97)), jaxkv.sampling_params(1), jax.random.key(0), 0,
+                            jnp.zeros((1, 97), bool)), ValueError, "keys must be one key per row"),
+    (lambda p: jaxkv.forward(p, "abc"), TypeError, "tokens must be token ids"),
+    (lambda p: jaxkv.prefill(p, jaxkv.init_cache(p, 1, 16), [[1, 2]], [1.5]), TypeError,
+     r"lengths must hold integers"),
+])
+def test_api_arguments(params, call, error, match):
+    with pytest.raises(error, match=match):
+        call(params)

@@ -151,7 +151,8 @@ def test_encode_shapes(encdec):
     (lambda p, enc: jaxkv.generate(p, [[0]], 4, encoder_inputs=np.zeros((2, 5), int)),
      "encoder_inputs has 2 rows, expected 1"),
     (lambda p, enc: jaxkv.init_cache(p, 1, 8, encoder_inputs=np.zeros((1, 5), int),
-                                     encoder_lengths=[0]), r"encoder_lengths\[0\] = 0 is not an encoder input length"),
+                                     encoder_lengths=[0]),
+     r"encoder_lengths\[0\] = 0 is not an encoder input length"),
     (lambda p, enc: jaxkv.generate(p, [[0]], 4, encoder_inputs=np.array([[1, 200]])),
      "not a token id"),
 ])

