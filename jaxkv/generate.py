@@ -21,24 +21,12 @@ from jaxkv.tracecount import count_trace
 
 def prepare_prompts(config, prompts, lengths=None):
     """Right-padded tokens [B, bucket(T)] and lengths [B] from ragged lists or a [B, T] array."""
-    if prompts is None or (isinstance(prompts, (list, tuple)) and prompts and
-                           np.ndim(prompts[0]) == 0 and not isinstance(prompts[0], str)):
-        raise TypeError(f"prompts must be a list of token-id lists (one per row) or a [B, T] "
-                        f"array, got {prompts!r:.60}; for one prompt p, pass [p]")
     if isinstance(prompts, (list, tuple)) and not (prompts and isinstance(prompts[0], str)):
-        if not prompts:
-            raise ValueError("prompts is empty: expected at least one prompt")
         if lengths is not None:
             raise ValueError("lengths is only for a [B, T] prompts array, not a list of lists")
-        for i, p in enumerate(prompts):
-            if np.size(p) == 0:
-                raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
-        rows = [checks.token_ids(config, p, f"prompts[{i}]", 1) for i, p in enumerate(prompts)]
-        lengths = [row.shape[0] for row in rows]
-        tokens = np.zeros((len(rows), max(lengths)), np.int32)
-        for i, row in enumerate(rows):
-            tokens[i, : row.shape[0]] = row
-        prompts, lengths = tokens, np.array(lengths, np.int32)
+        prompts, lengths = pad_rows(config, prompts)
+    elif prompts is None:
+        raise TypeError("prompts must be a list of token-id lists or a [B, T] array, got None")
     tokens_BT = checks.int_array(prompts, "prompts", 2)
     B, T = tokens_BT.shape
     lengths_B = jnp.full((B,), T, jnp.int32) if lengths is None else checks.int_array(
@@ -50,6 +38,24 @@ def prepare_prompts(config, prompts, lengths=None):
     for b in range(B):
         checks.token_ids(config, tokens_BT[b, : lengths[b]], f"prompts[{b}]", 1)
     return checks.pad_to_bucket(tokens_BT), lengths_B
+
+
+def pad_rows(config, prompts):
+    """(tokens [B, T] right-padded with 0, lengths [B]) from a list of token-id lists."""
+    if not prompts:
+        raise ValueError("prompts is empty: expected at least one prompt")
+    if np.ndim(prompts[0]) == 0:
+        raise TypeError(f"prompts must be a list of token-id lists (one per row), got "
+                        f"{prompts!r:.60}; for one prompt p, pass [p]")
+    for i, p in enumerate(prompts):
+        if np.size(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+    rows = [checks.token_ids(config, p, f"prompts[{i}]", 1) for i, p in enumerate(prompts)]
+    lengths = np.array([row.shape[0] for row in rows], np.int32)
+    tokens = np.zeros((len(rows), lengths.max()), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, : row.shape[0]] = row
+    return tokens, lengths
 
 
 def capacity_for(config, padded_len: int, max_new_tokens: int, lengths_B, max_len=None) -> int:

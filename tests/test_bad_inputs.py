@@ -316,7 +316,8 @@ def branches(params):
      ValueError, r"slots\[1\] = 7 is not a slot of the node cache \(capacity 3\)"),
     (lambda p: jaxkv.cast(p, jnp.int8), ValueError, "cast: dtype must be a float dtype"),
     (lambda p: jaxkv.generate(p, [1, 2, 3], 3), TypeError,
-     r"prompts must be a list of token-id lists .*for one prompt p, pass \[p\]"),
+     r"prompts must be a list of token-id lists \(one per row\), got \[1, 2, 3\]; for one "
+     r"prompt p, pass \[p\]"),
     (lambda p: jaxkv.generate(p, None, 3), TypeError, "prompts must be a list of token-id lists"),
     (lambda p: jaxkv.generate(p, [[1]], 3, mesh="x"), TypeError,
      "mesh must be a jax.sharding.Mesh"),
