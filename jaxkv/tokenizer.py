@@ -5,6 +5,7 @@ import os
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from jaxkv import locate
 from jaxkv.checkpoint import (SAVED_CONFIG, gguf_field, gguf_reader, gguf_required, read_json,
                               verify_saved_file)
 from jaxkv.convert import CheckpointError
@@ -15,7 +16,7 @@ GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 def load_tokenizer(path) -> Tokenizer:
     """A tokenizers.Tokenizer for a Hugging Face / jaxkv.save directory or a GGUF file. In a
     jaxkv.save directory, tokenizer.json is first checked against the save's manifest."""
-    path = os.fspath(path)
+    path = locate.resolve(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
         return tokenizer_from_gguf(gguf_reader(path), path)
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -76,7 +77,7 @@ def tokenizer_from_gguf(reader, source: str = "GGUF") -> Tokenizer:
 
 def chat_template(path) -> str | None:
     """The model's Jinja chat template, or None if it has none."""
-    path = os.fspath(path)
+    path = locate.resolve(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
         return gguf_field(gguf_reader(path), "tokenizer.chat_template")
     jinja = os.path.join(path, "chat_template.jinja")
