@@ -8,19 +8,24 @@ import jax.numpy as jnp
 
 from jaxkv import cache as cache_lib
 from jaxkv.attention import attend, attend_parts, attend_shared, merge_parts
-from jaxkv.layers import dense, mlp, norm, rope
+from jaxkv.layers import dense, mlp, norm, rope, rope_frequencies
 
 
 def project_qkv(config, b, h_BTD, pos_BT):
-    """Queries [B, T, N, H], keys and values [B, T, K, H] from the fused wqkv; RoPE applied."""
+    """Queries [B, T, N, H], keys and values [B, T, K, H] from the fused wqkv; then per-head
+    norms of queries and keys (config.qk_norm) and RoPE."""
     B, T, _ = h_BTD.shape
     K, G, H = config.n_kv_heads, config.group_size, config.head_dim
     y_BTKJH = dense(h_BTD, b.wqkv, b.bqkv).reshape(B, T, K, G + 2, H)
     q_BTNH = y_BTKJH[:, :, :, :G].reshape(B, T, K * G, H)
     k_BTKH, v_BTKH = y_BTKJH[:, :, :, G], y_BTKJH[:, :, :, G + 1]
+    if config.qk_norm:
+        q_BTNH = norm(q_BTNH, b.q_norm, "rmsnorm", config.norm_eps)
+        k_BTKH = norm(k_BTKH, b.k_norm, "rmsnorm", config.norm_eps)
     if config.position == "rope":
-        q_BTNH = rope(q_BTNH, pos_BT, config.rope_theta)
-        k_BTKH = rope(k_BTKH, pos_BT, config.rope_theta)
+        inv_freq_h = rope_frequencies(H, config.rope_theta, config.rope_scaling)
+        q_BTNH = rope(q_BTNH, pos_BT, inv_freq_h)
+        k_BTKH = rope(k_BTKH, pos_BT, inv_freq_h)
     return q_BTNH, k_BTKH, v_BTKH
 
 

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxkv import checks, convert
-from jaxkv.config import Config
+from jaxkv import checks, convert, locate
+from jaxkv.config import ROPE_SCALINGS, Config
 from jaxkv.convert import CheckpointError
 from jaxkv.params import Params, init_params
 
@@ -30,15 +30,15 @@ MANIFEST = "jaxkv_manifest.json"
 
 
 def load(path, dtype=None) -> Params:
-    """Params from a Hugging Face directory (config.json + *.safetensors: GPT-2, Llama, T5,
-    Whisper), a .gguf file (llama), a CTranslate2 Whisper directory, or a jaxkv.save directory.
+    """Params from a Hugging Face directory (config.json + *.safetensors: GPT-2, Llama, Qwen2,
+    Qwen3, T5, Whisper), a .gguf file (llama), a CTranslate2 Whisper directory, or a jaxkv.save directory.
 
     dtype: what floating weights become (float32, bfloat16 or float16); by default float32 for
     foreign formats and the saved dtype (bitwise as saved) for jaxkv's own.
     A jaxkv.save directory is checked against its manifest first (see load_saved); a file that
     is damaged or malformed is a CheckpointError naming it.
     """
-    path = os.fspath(path)
+    path = locate.resolve(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: {path!r} does not exist")
     if dtype is not None:
@@ -87,6 +87,13 @@ LLAMA_DEFAULTS = dict(intermediate_size=11008, num_hidden_layers=32, num_attenti
                       max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
                       attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
                       bos_token_id=1, eos_token_id=2)
+# Qwen2Config / Qwen3Config: q/k/v biases always (Qwen2) or as attention_bias says (Qwen3)
+QWEN2_DEFAULTS = dict(intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, head_dim=None, hidden_act="silu",
+                      max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      tie_word_embeddings=False, use_sliding_window=False, bos_token_id=None,
+                      eos_token_id=None)
+QWEN3_DEFAULTS = {**QWEN2_DEFAULTS, "head_dim": 128, "attention_bias": False}
 T5_DEFAULTS = dict(d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=None, num_heads=8,
                    relative_attention_num_buckets=32, relative_attention_max_distance=128,
                    layer_norm_epsilon=1e-6, feed_forward_proj="relu", n_positions=512,
@@ -120,20 +127,72 @@ def _gpt2_config(hf: dict, source: str) -> Config:
 
 def _llama_config(hf: dict, source: str) -> Config:
     hf = _with_defaults(hf, LLAMA_DEFAULTS, ("vocab_size", "hidden_size"), source)
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise CheckpointError(f"{source}: rope scaling {rope!r} is not supported")
+    return _rope_decoder_config(hf, source, attn_bias=hf["attention_bias"],
+                                mlp_bias=hf["mlp_bias"])
+
+
+def _qwen2_config(hf: dict, source: str) -> Config:
+    """Qwen2 / Qwen2.5: Llama with q/k/v biases (none on the output projection)."""
+    hf = _with_defaults(hf, QWEN2_DEFAULTS, ("vocab_size", "hidden_size"), source)
+    _no_sliding_window(hf, source)
+    return _rope_decoder_config(hf, source, attn_bias=True, attn_out_bias=False)
+
+
+def _qwen3_config(hf: dict, source: str) -> Config:
+    """Qwen3: Llama with per-head RMSNorm of queries and keys."""
+    hf = _with_defaults(hf, QWEN3_DEFAULTS, ("vocab_size", "hidden_size"), source)
+    _no_sliding_window(hf, source)
+    return _rope_decoder_config(hf, source, attn_bias=hf["attention_bias"], qk_norm=True)
+
+
+def _no_sliding_window(hf: dict, source: str) -> None:
+    if hf["use_sliding_window"]:
+        raise CheckpointError(f"{source}: use_sliding_window is true (sliding_window "
+                              f"{hf.get('sliding_window')!r}); sliding-window attention is not "
+                              "supported yet")
+
+
+def _rope_decoder_config(hf: dict, source: str, **family) -> Config:
+    """The Llama-shaped part of a decoder-only config (hf already has its family's defaults);
+    family: what differs (biases, q/k norms)."""
     if _activation(hf["hidden_act"], source) != "silu":
         raise CheckpointError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}")
     n_heads = hf["num_attention_heads"]
+    theta, scaling = _rope_scaling(hf, source)
     return Config.llama(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=n_heads, n_kv_heads=hf["num_key_value_heads"] or n_heads,
         head_dim=hf["head_dim"], d_ff=hf["intermediate_size"],
         max_seq_len=hf["max_position_embeddings"], norm_eps=hf["rms_norm_eps"],
-        rope_theta=rope.get("rope_theta", hf["rope_theta"]), attn_bias=hf["attention_bias"],
-        mlp_bias=hf["mlp_bias"], tie_embeddings=hf["tie_word_embeddings"],
-        **_special_ids(hf, source, ("bos_token_id", "eos_token_id")))
+        rope_theta=theta, rope_scaling=scaling, tie_embeddings=hf["tie_word_embeddings"],
+        **family, **_special_ids(hf, source, ("bos_token_id", "eos_token_id")))
+
+
+def _rope_scaling(hf: dict, source: str) -> tuple:
+    """(rope_theta, Config.rope_scaling) from rope_parameters (transformers 5) or rope_scaling
+    (older configs, whose theta is top-level)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", hf["rope_theta"])
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{source}: partial rotary embeddings ({rope!r}) are not supported")
+    if kind == "default":
+        return theta, ()
+    if kind not in ROPE_SCALINGS:
+        raise CheckpointError(f"{source}: rope scaling {rope!r} is not supported; supported "
+                              f"rope_type values: default, {', '.join(ROPE_SCALINGS)}")
+    # transformers' fallbacks for llama3's context length: top-level key, then the max length
+    rope = {"original_max_position_embeddings": hf.get("original_max_position_embeddings")
+            or hf["max_position_embeddings"], **rope}
+    keys = [HF_ROPE_KEYS.get(name, name) for name in ROPE_SCALINGS[kind]]
+    missing = [key for key in keys if rope.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{source}: rope scaling {kind!r} lacks {', '.join(missing)} "
+                              f"(got {rope!r})")
+    return theta, (kind, *(rope[key] for key in keys))
+
+
+HF_ROPE_KEYS = {"original_max_len": "original_max_position_embeddings"}
 
 
 def _t5_config(hf: dict, source: str, tensor_names=()) -> Config:
@@ -183,6 +242,10 @@ HF_ARCHITECTURES = {
     "GPT2LMHeadModel": (_gpt2_config, lambda c, names: convert.gpt2_map(
         c, "transformer." if "transformer.wte.weight" in names else "")),
     "LlamaForCausalLM": (_llama_config, lambda c, names: convert.llama_map(
+        c, convert.HF_LLAMA_NAMES)),
+    "Qwen2ForCausalLM": (_qwen2_config, lambda c, names: convert.llama_map(
+        c, convert.HF_LLAMA_NAMES)),
+    "Qwen3ForCausalLM": (_qwen3_config, lambda c, names: convert.llama_map(
         c, convert.HF_LLAMA_NAMES)),
     "T5ForConditionalGeneration": (_t5_config, lambda c, names: convert.t5_map(c)),
     "WhisperForConditionalGeneration": (_whisper_config, lambda c, names: convert.whisper_map(c)),

@@ -5,6 +5,10 @@ import dataclasses
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "relu")
 POSITIONS = ("learned", "rope", "relative")
+# Config.rope_scaling: the kind, then its parameters in this order
+ROPE_SCALINGS = {"linear": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                            "original_max_len")}
 ENCODER_INPUTS = ("tokens", "audio")
 
 
@@ -18,6 +22,21 @@ def _positive_ints(obj, names):
 def _check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"Config.{name} must be one of {choices}, got {value!r}")
+
+
+def _check_rope_scaling(scaling: tuple):
+    if not scaling:
+        return
+    kind, values = scaling[0], scaling[1:]
+    _check_choice("rope_scaling[0]", kind, tuple(ROPE_SCALINGS))
+    names = ROPE_SCALINGS[kind]
+    if len(values) != len(names) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+        raise ValueError(f"Config.rope_scaling {kind!r} needs positive numbers "
+                         f"{', '.join(names)}, got {scaling!r}")
+    if kind == "llama3" and not values[2] > values[1]:
+        raise ValueError(f"Config.rope_scaling 'llama3' needs high_freq_factor > "
+                         f"low_freq_factor, got {scaling!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +68,8 @@ class Config:
     """Architecture of a transformer: a decoder, and an encoder when `encoder` is set.
 
     GPT-2 family: learned positions + LayerNorm + GELU(tanh) + biases + tied head.
-    Llama family: RoPE + RMSNorm + SwiGLU (gated SiLU) + grouped-query attention.
+    Llama family: RoPE + RMSNorm + SwiGLU (gated SiLU) + grouped-query attention; Llama 3.1+
+    scales RoPE (rope_scaling), Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms (qk_norm).
     T5: relative position bias + RMSNorm + unscaled attention + ReLU or gated-GELU MLP.
     Whisper: audio encoder; decoder with learned positions + LayerNorm + GELU + biases.
     """
@@ -68,10 +88,15 @@ class Config:
     gated_mlp: bool = True
     position: str = "rope"
     rope_theta: float = 10000.0
+    # () plain RoPE, or (kind, *parameters) as ROPE_SCALINGS lists them: ("linear", factor),
+    # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_len)
+    rope_scaling: tuple = ()
     relative_buckets: int = 32  # T5 relative position bias
     relative_max_distance: int = 128
     scale_attention: bool = True  # scores * head_dim**-0.5 (T5 folds this into its weights)
-    attn_bias: bool = False
+    attn_bias: bool = False  # q/k/v projection biases
+    attn_out_bias: bool | None = None  # output projection bias; None: as attn_bias (Qwen2: off)
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     mlp_bias: bool = False
     tie_embeddings: bool = False
     rescale_logits: bool = False  # T5 (original): the head sees hidden * d_model**-0.5
@@ -105,6 +130,10 @@ class Config:
                 self.position == "relative":
             raise ValueError("Config: an audio encoder needs position='learned' or 'rope'")
         object.__setattr__(self, "suppress_ids", tuple(self.suppress_ids))
+        object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
+        if self.attn_out_bias is None:
+            object.__setattr__(self, "attn_out_bias", self.attn_bias)
+        _check_rope_scaling(self.rope_scaling)
         object.__setattr__(self, "begin_suppress_ids", tuple(self.begin_suppress_ids))
 
     @property

@@ -92,13 +92,17 @@ def feed_forward(c: Config, ours: str, up, down, gate=None, to_ours=lambda w: w)
             f"{ours}.b_out": Src(bias_of(down), (D,))}
 
 
-def norm(c: Config, ours: str, scale: str, bias: str | None = None) -> dict:
-    return {f"{ours}.scale": Src(scale, (c.d_model,)),
-            f"{ours}.bias": Src(bias or bias_of(scale), (c.d_model,))}
+def norm(c: Config, ours: str, scale: str, bias: str | None = None, width=None) -> dict:
+    """ours.scale (+ bias) of width d_model, or `width` (per-head norms: head_dim)."""
+    width = width or c.d_model
+    return {f"{ours}.scale": Src(scale, (width,)),
+            f"{ours}.bias": Src(bias or bias_of(scale), (width,))}
 
 
 def llama_map(c: Config, names: dict, unpermute_qk=False) -> dict:
-    """Llama-family map; names gives the source tensor names (HF and GGUF differ only there)."""
+    """Llama-family map (also Qwen2, Qwen3: their q/k/v biases and per-head q/k norms are read
+    when the config has them); names gives the source tensor names (HF and GGUF differ only
+    there)."""
     fix = {}
     if unpermute_qk:
         fix = {"q": lambda w: unpermute_rope_rows(w, c.n_heads),
@@ -109,6 +113,8 @@ def llama_map(c: Config, names: dict, unpermute_qk=False) -> dict:
         **norm(c, "blocks.attn_norm", names["attn_norm"]),
         **linear_qkv(c, "blocks", names["q"], names["k"], names["v"], fix=fix),
         **out_proj(c, "blocks", names["o"]),
+        **norm(c, "blocks.q_norm", names["q_norm"], width=c.head_dim),
+        **norm(c, "blocks.k_norm", names["k_norm"], width=c.head_dim),
         **norm(c, "blocks.mlp_norm", names["mlp_norm"]),
         **feed_forward(c, "blocks", names["up"], names["down"], names["gate"]),
         **norm(c, "final_norm", names["final_norm"]),
@@ -122,6 +128,8 @@ HF_LLAMA_NAMES = {
     "k": "model.layers.{i}.self_attn.k_proj.weight",
     "v": "model.layers.{i}.self_attn.v_proj.weight",
     "o": "model.layers.{i}.self_attn.o_proj.weight",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
     "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
     "gate": "model.layers.{i}.mlp.gate_proj.weight",
     "up": "model.layers.{i}.mlp.up_proj.weight",
@@ -137,6 +145,8 @@ GGUF_LLAMA_NAMES = {
     "k": "blk.{i}.attn_k.weight",
     "v": "blk.{i}.attn_v.weight",
     "o": "blk.{i}.attn_output.weight",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
     "mlp_norm": "blk.{i}.ffn_norm.weight",
     "gate": "blk.{i}.ffn_gate.weight",
     "up": "blk.{i}.ffn_up.weight",

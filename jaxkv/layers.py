@@ -1,7 +1,10 @@
 """Stateless building blocks: norms, rotary embeddings, the feed-forward network."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.config import Config
 from jaxkv.params import Norm
@@ -26,11 +29,37 @@ def norm(x_BTD, p: Norm, kind: str, eps: float):
     return y.astype(x_BTD.dtype)
 
 
-def rope(x_BTNH, pos_BT, theta: float):
-    """Rotary embedding, rotate-half layout (Hugging Face Llama): pairs (i, i + H/2)."""
+@functools.lru_cache(maxsize=64)
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple = ()) -> np.ndarray:
+    """RoPE's inverse frequencies [H/2] (float32, read-only), scaled as Config.rope_scaling says.
+
+    Computed in float64 once per (head_dim, theta, scaling), then rounded. "linear" divides
+    every frequency by factor. "llama3" (Llama 3.1+) sorts them by wavelength 2 pi / f against
+    the original context length C: shorter than C / high_freq_factor kept, longer than
+    C / low_freq_factor divided by factor, and in between a blend of the two whose weight on
+    the kept frequency, C / wavelength rescaled from [low, high] to [0, 1], grows linearly.
+    """
+    inv_freq_h = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    kind, values = (scaling[0], scaling[1:]) if scaling else ("default", ())
+    if kind == "linear":
+        inv_freq_h = inv_freq_h / values[0]
+    elif kind == "llama3":
+        factor, low, high, context = values
+        wavelen_h = 2 * np.pi / inv_freq_h
+        kept_h = (context / wavelen_h - low) / (high - low)  # the blend's weight on inv_freq
+        blend_h = (1 - kept_h) * inv_freq_h / factor + kept_h * inv_freq_h
+        inv_freq_h = np.where(wavelen_h < context / high, inv_freq_h,
+                              np.where(wavelen_h > context / low, inv_freq_h / factor, blend_h))
+    out_h = inv_freq_h.astype(np.float32)
+    out_h.flags.writeable = False
+    return out_h
+
+
+def rope(x_BTNH, pos_BT, inv_freq_h):
+    """Rotary embedding, rotate-half layout (Hugging Face Llama): pairs (i, i + H/2), pair i
+    turned by pos * inv_freq_h[i] (see rope_frequencies)."""
     H = x_BTNH.shape[-1]
-    inv_freq_h = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)  # [H/2]
-    angle_BTh = pos_BT[..., None].astype(jnp.float32) * inv_freq_h
+    angle_BTh = pos_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_h, jnp.float32)
     cos_BT1h, sin_BT1h = jnp.cos(angle_BTh)[:, :, None], jnp.sin(angle_BTh)[:, :, None]
     x = x_BTNH.astype(jnp.float32)
     x1, x2 = x[..., : H // 2], x[..., H // 2:]

@@ -20,7 +20,7 @@ from jaxkv.config import Config
 
 @struct.dataclass
 class Norm:
-    scale: jax.Array  # [D]
+    scale: jax.Array  # [D] ([H] for Block.q_norm / k_norm)
     bias: jax.Array | None = None  # [D]; LayerNorm only
 
 
@@ -38,6 +38,8 @@ class Block:
     bo: jax.Array | None = None  # [D]
     b_in: jax.Array | None = None  # [F] or [2 * F]
     b_out: jax.Array | None = None  # [D]
+    q_norm: Norm | None = None  # scale [H], shared by every query head; config.qk_norm only
+    k_norm: Norm | None = None  # scale [H], shared by every kv head
 
 
 @struct.dataclass
@@ -128,6 +130,10 @@ class _Init:
         D = self.c.d_model
         return Norm(jnp.ones((D,), self.dtype), self.zeros(D, when=self.c.norm == "layernorm"))
 
+    def head_norm(self):
+        """A per-head RMSNorm (scale [H]), or None without config.qk_norm."""
+        return Norm(jnp.ones((self.c.head_dim,), self.dtype)) if self.c.qk_norm else None
+
     def block(self):
         c = self.c
         D, F = c.d_model, c.d_ff
@@ -137,15 +143,16 @@ class _Init:
         return Block(
             attn_norm=self.norm(), wqkv=self.normal(qkv, D), wo=self.normal(D, NH),
             mlp_norm=self.norm(), w_in=self.normal(F_in, D), w_out=self.normal(D, F),
-            bqkv=self.zeros(qkv, when=c.attn_bias), bo=self.zeros(D, when=c.attn_bias),
-            b_in=self.zeros(F_in, when=c.mlp_bias), b_out=self.zeros(D, when=c.mlp_bias))
+            bqkv=self.zeros(qkv, when=c.attn_bias), bo=self.zeros(D, when=c.attn_out_bias),
+            b_in=self.zeros(F_in, when=c.mlp_bias), b_out=self.zeros(D, when=c.mlp_bias),
+            q_norm=self.head_norm(), k_norm=self.head_norm())
 
     def cross(self):
         c = self.c
         D, NH, KH2 = c.d_model, c.n_heads * c.head_dim, 2 * c.n_kv_heads * c.head_dim
         return Cross(norm=self.norm(), wq=self.normal(NH, D), wkv=self.normal(KH2, D),
                      wo=self.normal(D, NH), bq=self.zeros(NH, when=c.attn_bias),
-                     bkv=self.zeros(KH2, when=c.attn_bias), bo=self.zeros(D, when=c.attn_bias))
+                     bkv=self.zeros(KH2, when=c.attn_bias), bo=self.zeros(D, when=c.attn_out_bias))
 
     def rel_bias(self):
         return self.normal(self.c.relative_buckets, self.c.n_heads) \
