@@ -1,5 +1,6 @@
 """Modern decoder families on tiny random Hugging Face checkpoints: Llama 3 RoPE scaling
-("llama3", "linear"), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, explicit head_dim).
+("llama3", "linear"), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, explicit head_dim;
+q/k/v/o biases when attention_bias).
 Each is loaded from save_pretrained's files and must match transformers' logits and greedy
 tokens."""
 
@@ -42,6 +43,10 @@ def family_configs():
                            tf.Qwen2ForCausalLM),
         "qwen3_gqa": (tf.Qwen3Config(num_hidden_layers=3, num_key_value_heads=2, head_dim=32,
                                      **SMALL), tf.Qwen3ForCausalLM),
+        "qwen3_mqa_bias_tied": (tf.Qwen3Config(num_hidden_layers=2, num_key_value_heads=1,
+                                               head_dim=32, attention_bias=True,
+                                               tie_word_embeddings=True, **SMALL),
+                                tf.Qwen3ForCausalLM),
     }
 
 
@@ -85,6 +90,7 @@ def test_families_load_as_their_configs_say(families):
     assert c["qwen2_mqa_tied"].tie_embeddings and c["qwen2_mqa_tied"].n_kv_heads == 1
     assert c["qwen3_gqa"].qk_norm and c["qwen3_gqa"].head_dim == 32
     assert not c["qwen3_gqa"].attn_bias
+    assert c["qwen3_mqa_bias_tied"].attn_bias and c["qwen3_mqa_bias_tied"].attn_out_bias
 
 
 @pytest.mark.parametrize("name", NAMES)
