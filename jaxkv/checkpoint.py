@@ -502,21 +502,34 @@ def config_from_gguf(reader, source: str) -> Config:
     get = lambda key, default=None: gguf_field(reader, f"llama.{key}", default)  # noqa: E731
     need = lambda key: gguf_required(reader, f"llama.{key}", source)  # noqa: E731
     n_heads, d_model = need("attention.head_count"), need("embedding_length")
-    if get("rope.scaling.type", "none") not in ("none", "linear") or \
-            get("rope.scaling.factor", 1.0) != 1.0:
-        raise CheckpointError(f"{source}: rope scaling is not supported")
     vocab = get("vocab_size") or len(gguf_required(reader, "tokenizer.ggml.tokens", source))
     names = {t.name for t in reader.tensors}
+    scaling = _gguf_rope_scaling(get, names, source)
     return _build_config(lambda: Config.llama(
         vocab_size=vocab, d_model=d_model, n_layers=need("block_count"), n_heads=n_heads,
         n_kv_heads=get("attention.head_count_kv", n_heads),
         head_dim=get("attention.key_length", d_model // n_heads),
         d_ff=need("feed_forward_length"), max_seq_len=get("context_length", 2048),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
         tie_embeddings="output.weight" not in names,
         bos_id=_gguf_id(reader, "bos", vocab, source),
         eos_id=_gguf_id(reader, "eos", vocab, source)), source)
+
+
+def _gguf_rope_scaling(get, names: set, source: str) -> tuple:
+    """Config.rope_scaling from llama.* metadata: none or linear. llama.cpp stores Llama 3.1's
+    scaling as per-frequency divisors (the tensor rope_freqs.weight), which are not read yet:
+    loading such a file without them would decode wrongly."""
+    if "rope_freqs.weight" in names:
+        raise CheckpointError(f"{source}: per-frequency RoPE factors (rope_freqs.weight, Llama "
+                              "3.1+ scaling) are not supported yet; load the Hugging Face "
+                              "checkpoint instead")
+    kind, factor = get("rope.scaling.type", "none"), float(get("rope.scaling.factor", 1.0))
+    if kind not in ("none", "linear"):
+        raise CheckpointError(f"{source}: rope scaling {kind!r} is not supported; supported: "
+                              "none, linear")
+    return ("linear", factor) if kind == "linear" and factor != 1.0 else ()
 
 
 def _gguf_id(reader, which: str, vocab_size: int, source: str):

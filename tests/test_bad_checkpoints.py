@@ -234,8 +234,9 @@ GGUF_METADATA = {"block_count": 3, "context_length": 128, "embedding_length": 64
                  "layer_norm_rms_eps": 1e-5, "vocab_size": 97}
 
 
-def write_tiny_gguf(path, omit=()):
-    """A llama GGUF for CONFIGS['llama_gqa'] with random float32 weights."""
+def write_tiny_gguf(path, omit=(), edit=None):
+    """A llama GGUF for CONFIGS['llama_gqa'] with random float32 weights; edit(writer), if
+    given, adds to it."""
     import gguf
 
     config, rng = CONFIGS["llama_gqa"], np.random.default_rng(0)
@@ -251,6 +252,8 @@ def write_tiny_gguf(path, omit=()):
                     shapes[part.name.format(i=i)] = part.shape
     for name, shape in shapes.items():
         writer.add_tensor(name, rng.normal(size=shape).astype(np.float32))
+    if edit is not None:
+        edit(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

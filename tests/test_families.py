@@ -181,3 +181,30 @@ def test_unsupported_or_broken_configs_name_the_problem(families, tmp_path, name
     path = edited_copy(families, name, tmp_path, **changes)
     with pytest.raises(CheckpointError, match="config.json: " + match):
         jaxkv.load(path)
+
+
+def test_gguf_linear_rope_scaling_is_read(tmp_path):
+    import gguf
+
+    from tests.test_bad_checkpoints import write_tiny_gguf
+
+    def linear(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(4.0)
+
+    config = jaxkv.load(write_tiny_gguf(tmp_path / "linear.gguf", edit=linear)).config
+    assert config.rope_scaling == ("linear", 4.0)
+
+
+def test_gguf_with_llama3_rope_factors_is_refused(tmp_path):
+    """llama.cpp keeps Llama 3.1's scaling as the tensor rope_freqs.weight; ignoring it would
+    decode wrongly."""
+    from tests.test_bad_checkpoints import write_tiny_gguf
+
+    def factors(writer):
+        writer.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
+
+    path = write_tiny_gguf(tmp_path / "llama31.gguf", edit=factors)
+    with pytest.raises(CheckpointError, match="llama31.gguf: per-frequency RoPE factors "
+                       r"\(rope_freqs.weight, Llama 3.1\+ scaling\) are not supported yet"):
+        jaxkv.load(path)
