@@ -91,9 +91,14 @@ LLAMA_DEFAULTS = dict(intermediate_size=11008, num_hidden_layers=32, num_attenti
 QWEN2_DEFAULTS = dict(intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, head_dim=None, hidden_act="silu",
                       max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      tie_word_embeddings=False, use_sliding_window=False, bos_token_id=None,
-                      eos_token_id=None)
+                      tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096,
+                      max_window_layers=28, bos_token_id=None, eos_token_id=None)
 QWEN3_DEFAULTS = {**QWEN2_DEFAULTS, "head_dim": 128, "attention_bias": False}
+MISTRAL_DEFAULTS = dict(intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=None, hidden_act="silu",
+                        max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, rope_theta=10000.0,
+                        tie_word_embeddings=False, sliding_window=4096, bos_token_id=1,
+                        eos_token_id=2)
 T5_DEFAULTS = dict(d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=None, num_heads=8,
                    relative_attention_num_buckets=32, relative_attention_max_distance=128,
                    layer_norm_epsilon=1e-6, feed_forward_proj="relu", n_positions=512,
@@ -134,22 +139,33 @@ def _llama_config(hf: dict, source: str) -> Config:
 def _qwen2_config(hf: dict, source: str) -> Config:
     """Qwen2 / Qwen2.5: Llama with q/k/v biases (none on the output projection)."""
     hf = _with_defaults(hf, QWEN2_DEFAULTS, ("vocab_size", "hidden_size"), source)
-    _no_sliding_window(hf, source)
-    return _rope_decoder_config(hf, source, attn_bias=True, attn_out_bias=False)
+    return _rope_decoder_config(hf, source, attn_bias=True, attn_out_bias=False,
+                                **_window(hf, hf["max_window_layers"]))
 
 
 def _qwen3_config(hf: dict, source: str) -> Config:
     """Qwen3: Llama with per-head RMSNorm of queries and keys."""
     hf = _with_defaults(hf, QWEN3_DEFAULTS, ("vocab_size", "hidden_size"), source)
-    _no_sliding_window(hf, source)
-    return _rope_decoder_config(hf, source, attn_bias=hf["attention_bias"], qk_norm=True)
+    return _rope_decoder_config(hf, source, attn_bias=hf["attention_bias"], qk_norm=True,
+                                **_window(hf, hf["max_window_layers"]))
 
 
-def _no_sliding_window(hf: dict, source: str) -> None:
-    if hf["use_sliding_window"]:
-        raise CheckpointError(f"{source}: use_sliding_window is true (sliding_window "
-                              f"{hf.get('sliding_window')!r}); sliding-window attention is not "
-                              "supported yet")
+def _mistral_config(hf: dict, source: str) -> Config:
+    """Mistral: Llama whose every layer reads a sliding window (sliding_window null: none)."""
+    hf = _with_defaults(hf, MISTRAL_DEFAULTS, ("vocab_size", "hidden_size"), source)
+    return _rope_decoder_config(hf, source, **_window(hf, 0))
+
+
+def _window(hf: dict, first_windowed: int) -> dict:
+    """Config's sliding_window and window_layers: the layers layer_types calls
+    "sliding_attention" (transformers 5), else every layer from first_windowed on."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if window is None:
+        return {}
+    types = hf.get("layer_types")
+    layers = ([i for i, kind in enumerate(types) if kind == "sliding_attention"] if types else
+              list(range(first_windowed, hf["num_hidden_layers"])))
+    return dict(sliding_window=window, window_layers=tuple(layers)) if layers else {}
 
 
 def _rope_decoder_config(hf: dict, source: str, **family) -> Config:
@@ -168,6 +184,10 @@ def _rope_decoder_config(hf: dict, source: str, **family) -> Config:
         **family, **_special_ids(hf, source, ("bos_token_id", "eos_token_id")))
 
 
+# Config.rope_scaling's parameter names (config.ROPE_SCALINGS) where Hugging Face's differ
+HF_ROPE_KEYS = {"original_max_len": "original_max_position_embeddings"}
+
+
 def _rope_scaling(hf: dict, source: str) -> tuple:
     """(rope_theta, Config.rope_scaling) from rope_parameters (transformers 5) or rope_scaling
     (older configs, whose theta is top-level)."""
@@ -181,18 +201,17 @@ def _rope_scaling(hf: dict, source: str) -> tuple:
     if kind not in ROPE_SCALINGS:
         raise CheckpointError(f"{source}: rope scaling {rope!r} is not supported; supported "
                               f"rope_type values: default, {', '.join(ROPE_SCALINGS)}")
-    # transformers' fallbacks for llama3's context length: top-level key, then the max length
-    rope = {"original_max_position_embeddings": hf.get("original_max_position_embeddings")
-            or hf["max_position_embeddings"], **rope}
+    # llama3's context length, as transformers reads it: a top-level key wins over the rope
+    # dict's, and max_position_embeddings stands in for both
+    context = (hf.get("original_max_position_embeddings")
+               or rope.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+    rope = {**rope, "original_max_position_embeddings": context}
     keys = [HF_ROPE_KEYS.get(name, name) for name in ROPE_SCALINGS[kind]]
     missing = [key for key in keys if rope.get(key) is None]
     if missing:
         raise CheckpointError(f"{source}: rope scaling {kind!r} lacks {', '.join(missing)} "
                               f"(got {rope!r})")
     return theta, (kind, *(rope[key] for key in keys))
-
-
-HF_ROPE_KEYS = {"original_max_len": "original_max_position_embeddings"}
 
 
 def _t5_config(hf: dict, source: str, tensor_names=()) -> Config:
@@ -246,6 +265,8 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": (_qwen2_config, lambda c, names: convert.llama_map(
         c, convert.HF_LLAMA_NAMES)),
     "Qwen3ForCausalLM": (_qwen3_config, lambda c, names: convert.llama_map(
+        c, convert.HF_LLAMA_NAMES)),
+    "MistralForCausalLM": (_mistral_config, lambda c, names: convert.llama_map(
         c, convert.HF_LLAMA_NAMES)),
     "T5ForConditionalGeneration": (_t5_config, lambda c, names: convert.t5_map(c)),
     "WhisperForConditionalGeneration": (_whisper_config, lambda c, names: convert.whisper_map(c)),
