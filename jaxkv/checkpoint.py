@@ -31,8 +31,9 @@ MANIFEST = "jaxkv_manifest.json"
 
 def load(path, dtype=None) -> Params:
     """Params from a Hugging Face directory (config.json + *.safetensors: GPT-2, Llama, Qwen2,
-    Qwen3, T5, Whisper), a .gguf file (llama), a CTranslate2 Whisper directory, or a jaxkv.save
-    directory.
+    Qwen3, Mistral, T5, Whisper), a .gguf file (llama), a CTranslate2 Whisper directory, a
+    jaxkv.save directory, or a model name in the local Hugging Face cache (see
+    jaxkv.locate.resolve; nothing is downloaded).
 
     dtype: what floating weights become (float32, bfloat16 or float16); by default float32 for
     foreign formats and the saved dtype (bitwise as saved) for jaxkv's own.

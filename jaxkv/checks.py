@@ -194,6 +194,14 @@ def _layers(config, cache, fields, expected, name, layout):
                                 "dtype (float32, bfloat16 or float16)")
 
 
+def no_window(config, what: str):
+    """Sliding-window layers read a linear cache (slot s holds position s) only, for now."""
+    if config.sliding_window is not None:
+        raise ValueError(f"{what} is not supported on sliding-window models yet (this model's "
+                         f"layers {list(config.window_layers)} read a window of "
+                         f"{config.sliding_window} positions)")
+
+
 def prefill_args(config, cache, tokens, lengths, start):
     cache_layout(config, cache)
     tokens_BT = tokens_2d(config, tokens, "tokens")

@@ -97,6 +97,11 @@ class Config:
     attn_bias: bool = False  # q/k/v projection biases
     attn_out_bias: bool | None = None  # output projection bias; None: as attn_bias (Qwen2: off)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+    # Sliding-window attention: in the layers listed in window_layers (all of them when
+    # sliding_window is set and window_layers is empty), a query at position p reads only keys
+    # at positions > p - sliding_window (Mistral; Qwen2 with use_sliding_window).
+    sliding_window: int | None = None
+    window_layers: tuple = ()
     mlp_bias: bool = False
     tie_embeddings: bool = False
     rescale_logits: bool = False  # T5 (original): the head sees hidden * d_model**-0.5
@@ -135,6 +140,21 @@ class Config:
             object.__setattr__(self, "attn_out_bias", self.attn_bias)
         _check_rope_scaling(self.rope_scaling)
         object.__setattr__(self, "begin_suppress_ids", tuple(self.begin_suppress_ids))
+        self._check_window()
+
+    def _check_window(self):
+        layers = tuple(self.window_layers)
+        if self.sliding_window is None:
+            if layers:
+                raise ValueError("Config.window_layers needs Config.sliding_window")
+            object.__setattr__(self, "window_layers", ())
+            return
+        _positive_ints(self, ("sliding_window",))
+        layers = layers or tuple(range(self.n_layers))
+        if any(not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"Config.window_layers must be distinct layer indices in [0, "
+                             f"{self.n_layers}), got {layers}")
+        object.__setattr__(self, "window_layers", tuple(sorted(layers)))
 
     @property
     def group_size(self) -> int:

@@ -42,10 +42,19 @@ def self_bias(params: Params, pos_BT, key_pos_BS):
                          params.config.relative_max_distance)
 
 
+def window_mask(config, mask_BTS, pos_BT, key_pos_BS):
+    """mask_BTS narrowed to the sliding window: a query at p reads keys at positions
+    > p - sliding_window (key_pos_BS: the position each key slot holds)."""
+    return mask_BTS & (key_pos_BS[:, None, :] > pos_BT[:, :, None] - config.sliding_window)
+
+
 def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cross=None,
-           prefix=None, kv_len=None):
+           prefix=None, kv_len=None, key_pos_BS=None):
     """All decoder layers (an unrolled loop: see params.py) -> (x_BTD, (k, v)): per layer
     [B, K, S, H] keys and values after this call's writes.
+
+    Layers in config.window_layers read mask_BTS narrowed to the sliding window, which needs
+    key_pos_BS, the position each key slot holds.
 
     self_kv: None (uncached: keys are this call's tokens) or (k, v per layer, slot_BT).
     cross: None or (k, v per layer [B, K, M, H], mask_BM), the encoder's precomputed keys/values.
@@ -53,11 +62,13 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
     of rows. kv_len: no token reads a slot >= kv_len of its own cache (attention skips them).
     """
     c = params.config
+    local_BTS = c.window_layers and window_mask(c, mask_BTS, pos_BT, key_pos_BS)
     new_k, new_v = [], []
     for layer, b in enumerate(params.blocks):
         kv = None if self_kv is None else (self_kv[0][layer], self_kv[1][layer], self_kv[2])
         shared = None if prefix is None else (prefix[0][layer], prefix[1][layer], *prefix[2:])
-        x_BTD, (k_BKSH, v_BKSH) = blocks.self_attention(c, b, x_BTD, pos_BT, mask_BTS, bias_BNTS,
+        mask = local_BTS if layer in c.window_layers else mask_BTS
+        x_BTD, (k_BKSH, v_BKSH) = blocks.self_attention(c, b, x_BTD, pos_BT, mask, bias_BNTS,
                                                         kv, shared, kv_len)
         if cross is not None:
             x_BTD = blocks.cross_attention(c, params.cross[layer], x_BTD, cross[0][layer],
@@ -83,7 +94,8 @@ def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None):
     pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
     x_BTD = embed(params, tokens_BT, pos_BT)
     bias = self_bias(params, pos_BT, pos_BT)
-    x_BTD, _ = layers(params, x_BTD, pos_BT, causal_mask(pos_BT, T), bias, cross=cross)
+    x_BTD, _ = layers(params, x_BTD, pos_BT, causal_mask(pos_BT, T), bias, cross=cross,
+                      key_pos_BS=pos_BT)
     return logits(params, x_BTD)
 
 
@@ -128,13 +140,14 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
     checks.cache_layout(params.config, cache)
     if prefix is not None:
         checks.cache_layout(params.config, prefix[0], "prefix cache")
+        checks.no_window(params.config, "a shared prefix (MultiDecode)")
     params, x_BTD = tie_weights(params, embed(params, tokens_BT, pos_BT))
     slots_BS = jnp.arange(cache.capacity)[None, :]  # a linear cache: slot s holds position s
     bias = self_bias(params, pos_BT, slots_BS)
     cross = None if cache.cross_k is None else (cache.cross_k, cache.cross_v, cache.cross_mask)
     shared = None if prefix is None else (prefix[0].k, prefix[0].v, *prefix[1:])
     x_BTD, (k, v) = layers(params, x_BTD, pos_BT, mask_BTS, bias, (cache.k, cache.v, slot_BT),
-                           cross, shared, kv_len)
+                           cross, shared, kv_len, key_pos_BS=slots_BS)
     return x_BTD, cache.replace(k=k, v=v)
 
 

@@ -164,10 +164,6 @@ def edited_copy(families, name, tmp_path, **changes):
 
 
 @pytest.mark.parametrize("name, changes, match", [
-    ("qwen2_gqa", dict(use_sliding_window=True, sliding_window=16),
-     "use_sliding_window is true .*sliding-window attention is not supported yet"),
-    ("qwen3_gqa", dict(use_sliding_window=True),
-     "use_sliding_window is true .*sliding-window attention is not supported yet"),
     ("llama3_gqa", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)),
      "rope scaling .*'yarn'.* is not supported; supported rope_type values: default, linear, "
      "llama3"),

@@ -1,0 +1,127 @@
+"""Sliding-window attention (Mistral; Qwen2 with use_sliding_window): in the windowed layers a
+query at position p reads keys at positions > p - W. Exact against the uncached forward and
+against transformers, prompts longer than the window included."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jaxkv
+from tests.conftest import HF_TINY, random_tokens
+
+W = 8
+TINY = dict(vocab_size=97, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=96,
+            max_seq_len=128)
+
+
+@pytest.mark.parametrize("layers", [(), (0, 2)], ids=["every layer", "layers 0 and 2"])
+def test_decode_equals_forward_past_the_window(layers):
+    params = jaxkv.init_params(jaxkv.Config.llama(sliding_window=W, window_layers=layers, **TINY),
+                               jax.random.key(0))
+    tokens_BT = random_tokens(1, (2, 30))
+    ref_BTV = jaxkv.forward(params, tokens_BT)
+    cache = jaxkv.init_cache(params, 2, 64)
+    logits_BV, cache = jaxkv.prefill(params, cache, tokens_BT[:, :12])  # longer than W
+    np.testing.assert_allclose(logits_BV, ref_BTV[:, 11], atol=1e-5, rtol=0)
+    step = jax.jit(jaxkv.decode_step)
+    for t in range(12, 30):
+        logits_BV, cache = step(params, cache, tokens_BT[:, t], jnp.full((2,), t))
+        np.testing.assert_allclose(logits_BV, ref_BTV[:, t], atol=1e-5, rtol=0)
+
+
+def test_window_matters_only_past_its_length():
+    windowed = jaxkv.init_params(jaxkv.Config.llama(sliding_window=W, **TINY), jax.random.key(0))
+    full = jaxkv.init_params(jaxkv.Config.llama(**TINY), jax.random.key(0))
+    tokens_BT = random_tokens(2, (1, 20))
+    a, b = jaxkv.forward(windowed, tokens_BT), jaxkv.forward(full, tokens_BT)
+    np.testing.assert_allclose(a[:, :W], b[:, :W], atol=1e-5, rtol=0)
+    assert np.abs(a[:, W:] - b[:, W:]).min() > 1e-4
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(window_layers=(0,)), "window_layers needs Config.sliding_window"),
+    (dict(sliding_window=0), "sliding_window must be a positive int"),
+    (dict(sliding_window=4, window_layers=(3,)), r"distinct layer indices in \[0, 3\)"),
+])
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jaxkv.Config.llama(**TINY, **kwargs)
+
+
+def test_multidecode_says_windows_are_not_supported():
+    params = jaxkv.init_params(jaxkv.Config.llama(sliding_window=W, **TINY), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"MultiDecode .* is not supported on sliding-window "
+                                         r"models yet .*a window of 8 positions"):
+        jaxkv.forest_logits(params, tokens=[1, 2], parents=[-1, 0], prefix=[3, 4])
+
+
+def hf_windowed():
+    import transformers as tf
+
+    small = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                 max_position_embeddings=128, **HF_TINY)
+    return {
+        "mistral_gqa": (tf.MistralConfig(num_hidden_layers=3, num_key_value_heads=2,
+                                         sliding_window=W, **small), tf.MistralForCausalLM),
+        "qwen2_upper_layers": (tf.Qwen2Config(num_hidden_layers=3, num_key_value_heads=1,
+                                              use_sliding_window=True, sliding_window=W,
+                                              max_window_layers=1, **small),
+                               tf.Qwen2ForCausalLM),
+    }
+
+
+@pytest.fixture(scope="module")
+def windowed_models(tmp_path_factory):
+    models = {}
+    for i, (name, (config, cls)) in enumerate(hf_windowed().items()):
+        torch.manual_seed(200 + i)
+        model = cls(config).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("bias") or "norm" in n:
+                    p.add_(0.1 * torch.randn_like(p))
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        models[name] = (model, path)
+    return models
+
+
+@pytest.mark.parametrize("name", sorted(hf_windowed()))
+def test_loads_the_window(windowed_models, name):
+    c = jaxkv.load(windowed_models[name][1]).config
+    assert c.sliding_window == W
+    assert c.window_layers == ((0, 1, 2) if name == "mistral_gqa" else (1, 2))
+
+
+@pytest.mark.parametrize("name", sorted(hf_windowed()))
+def test_logits_match_hugging_face_past_the_window(windowed_models, name):
+    model, path = windowed_models[name]
+    tokens_BT = np.asarray(random_tokens(3, (2, 40)))
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens_BT)).logits.numpy()
+    ours = np.asarray(jaxkv.forward(jaxkv.load(path), tokens_BT))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(hf_windowed()))
+def test_ragged_greedy_matches_hugging_face(windowed_models, name):
+    """Prompts of 5 and 19 tokens (one shorter, one longer than the window), 24 new tokens."""
+    model, path = windowed_models[name]
+    prompts = [random_tokens(4, (5,)).tolist(), random_tokens(5, (19,)).tolist()]
+    ours, _ = jaxkv.generate(jaxkv.load(path), prompts, 24)
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                1, len(prompt), dtype=int), max_new_tokens=24, min_new_tokens=24,
+                do_sample=False, pad_token_id=0)[0, len(prompt):].numpy()
+        np.testing.assert_array_equal(ours[row], theirs)
+
+
+def test_config_round_trips_through_json():
+    import json
+
+    config = jaxkv.Config.llama(sliding_window=W, window_layers=[2, 0], **TINY)
+    assert config.window_layers == (0, 2)
+    assert jaxkv.Config.from_dict(json.loads(json.dumps(config.to_dict()))) == config
