@@ -12,7 +12,7 @@ BLOCK = 256  # key slots per block when attention is bounded by the filled lengt
 
 
 def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None,
-                 own=None):
+                 own=None, softcap=None):
     """Attention output [B, T, N, H] (float32) and its log-sum-exp [B, T, N].
 
     Keys and values are [B, K, S, H], of any float dtype (read in float32); G = N // K query
@@ -22,20 +22,21 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
     keys are visited (all of them in one pass once kv_len passes a third of the slots). own
     (optional): a second key set (k_BKUH, v_BKUH, mask_BTU, bias_BNTU or None), e.g. the call's
     own tokens, attended together with the first. A query with no visible key gets output 0 and
-    lse -inf, never NaN.
+    lse -inf, never NaN. softcap (optional): scaled scores s become softcap * tanh(s / softcap).
     """
     keys = [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS)] + ([] if own is None else [own])
     S = k_BKSH.shape[2]
     if kv_len is None or bias_BNTS is not None or S <= BLOCK:
-        return _attend_dense(q_BTNH, keys, scale)
+        return _attend_dense(q_BTNH, keys, scale, softcap)
     # Past a third of the capacity one pass over every slot is cheaper than the block loop
     # (each block is sliced out, a copy): SmolLM2 at capacity 8192, position 8000: 41 vs 75 ms.
-    dense = functools.partial(_attend_dense, q_BTNH, keys, scale)
-    blocks = functools.partial(_attend_blocks, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own)
+    dense = functools.partial(_attend_dense, q_BTNH, keys, scale, softcap)
+    blocks = functools.partial(_attend_blocks, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own,
+                               softcap)
     return jax.lax.cond(3 * kv_len > S, dense, blocks)
 
 
-def _attend_dense(q_BTNH, keys, scale):
+def _attend_dense(q_BTNH, keys, scale, softcap=None):
     """One softmax over the union of key sets [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS), ...]."""
     B, T, N, H = q_BTNH.shape
     K = keys[0][0].shape[1]
@@ -44,6 +45,8 @@ def _attend_dense(q_BTNH, keys, scale):
     scores = []
     for k_BKSH, _, mask_BTS, bias_BNTS in keys:
         scores_BKGTS = _scores(q_BTKGH, k_BKSH.astype(jnp.float32)) * scale
+        if softcap is not None:
+            scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
         if bias_BNTS is not None:
             b, _, t, s = bias_BNTS.shape
             scores_BKGTS = scores_BKGTS + bias_BNTS.reshape(b, K, N // K, t, s)
@@ -84,7 +87,7 @@ def _weighted(w_BKGTS, v_BKSH):
     return jnp.einsum("BKGTS,BKSH->BTKGH", w_BKGTS, v_BKSH)
 
 
-def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own=None):
+def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own=None, softcap=None):
     """Online softmax over BLOCK-slot blocks [0, ceil(kv_len / BLOCK)) (and the own keys, as
     the starting state): shapes stay static, work follows the filled length, not the capacity."""
     B, T, N, H = q_BTNH.shape
@@ -98,31 +101,34 @@ def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own=None):
         v_blk = jax.lax.dynamic_slice_in_dim(v_BKSH, start, BLOCK, axis=2)
         mask_blk = jax.lax.dynamic_slice_in_dim(mask_BTS, start, BLOCK, axis=2)
         mask_blk = mask_blk & (slot_S >= i * BLOCK)
-        part = _attend_dense(q_BTNH, [(k_blk, v_blk, mask_blk, None)], scale)
+        part = _attend_dense(q_BTNH, [(k_blk, v_blk, mask_blk, None)], scale, softcap)
         return merge_parts(*carry, *part)
 
     if own is None:
         first = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf))
     else:
-        first = _attend_dense(q_BTNH, [own], scale)
+        first = _attend_dense(q_BTNH, [own], scale, softcap)
     n_blocks = (jnp.minimum(kv_len, S) + BLOCK - 1) // BLOCK
     return jax.lax.fori_loop(0, n_blocks, block, first)
 
 
-def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None):
+def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None,
+           softcap=None):
     """Softmax attention [B, T, N, H] in q's dtype (see attend_parts)."""
-    out_BTNH, _ = attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len)
+    out_BTNH, _ = attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len,
+                               softcap=softcap)
     return out_BTNH.astype(q_BTNH.dtype)
 
 
-def attend_shared(q_BTNH, k_PKSH, v_PKSH, mask_PS, scale: float, kv_len=None):
+def attend_shared(q_BTNH, k_PKSH, v_PKSH, mask_PS, scale: float, kv_len=None, softcap=None):
     """attend_parts against keys shared by groups of rows: rows [r*R, (r+1)*R) read prefix row r
     of P = B / R rows. The shared keys are read once per group, not once per row."""
     B, T, N, H = q_BTNH.shape
     P, S = mask_PS.shape
     q_PRNH = q_BTNH.reshape(P, (B // P) * T, N, H)
     mask_PRS = jnp.broadcast_to(mask_PS[:, None, :], (P, (B // P) * T, S))
-    out, lse = attend_parts(q_PRNH, k_PKSH, v_PKSH, mask_PRS, scale, kv_len=kv_len)
+    out, lse = attend_parts(q_PRNH, k_PKSH, v_PKSH, mask_PRS, scale, kv_len=kv_len,
+                            softcap=softcap)
     return out.reshape(B, T, N, H), lse.reshape(B, T, N)
 
 

@@ -11,9 +11,9 @@ from jaxkv.attention import attend, attend_parts, attend_shared, merge_parts
 from jaxkv.layers import dense, mlp, norm, rope, rope_frequencies
 
 
-def project_qkv(config, b, h_BTD, pos_BT):
+def project_qkv(config, b, h_BTD, pos_BT, local=False):
     """Queries [B, T, N, H], keys and values [B, T, K, H] from the fused wqkv; then per-head
-    norms of queries and keys (config.qk_norm) and RoPE."""
+    norms of queries and keys (config.qk_norm) and RoPE (a window layer's when local)."""
     B, T, _ = h_BTD.shape
     K, G, H = config.n_kv_heads, config.group_size, config.head_dim
     y_BTKJH = dense(h_BTD, b.wqkv, b.bqkv).reshape(B, T, K, G + 2, H)
@@ -23,7 +23,7 @@ def project_qkv(config, b, h_BTD, pos_BT):
         q_BTNH = norm(q_BTNH, b.q_norm, "rmsnorm", config.norm_eps)
         k_BTKH = norm(k_BTKH, b.k_norm, "rmsnorm", config.norm_eps)
     if config.position == "rope":
-        inv_freq_h = rope_frequencies(H, config.rope_theta, config.rope_scaling)
+        inv_freq_h = rope_frequencies(H, *config.rope(local))
         q_BTNH = rope(q_BTNH, pos_BT, inv_freq_h)
         k_BTKH = rope(k_BTKH, pos_BT, inv_freq_h)
     return q_BTNH, k_BTKH, v_BTKH
@@ -35,9 +35,16 @@ def project_out(b, o_BTNH):
     return dense(o_BTNH.reshape(B, T, N * H), b.wo, b.bo, gemv=True)
 
 
+def residual(config, x_BTD, y_BTD, out_norm):
+    """x + y, y normed by out_norm first where the model norms sublayer outputs (post_norms)."""
+    if config.post_norms:
+        y_BTD = norm(y_BTD, out_norm, config.norm, config.norm_eps)
+    return x_BTD + y_BTD
+
+
 def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, prefix=None,
-                   kv_len=None):
-    """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)).
+                   kv_len=None, local=False):
+    """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)); local: a window layer (its RoPE).
 
     kv is None when the keys are this call's tokens (uncached), or (k_BKSH, v_BKSH, slot_BT):
     this call's tokens read the cache as it was (their own slots hidden; only slots below
@@ -47,25 +54,27 @@ def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, 
     per group and merged by log-sum-exp.
     """
     h_BTD = norm(x_BTD, b.attn_norm, config.norm, config.norm_eps)
-    q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, h_BTD, pos_BT)
+    q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, h_BTD, pos_BT, local)
     k_BKTH, v_BKTH = jnp.swapaxes(k_BTKH, 1, 2), jnp.swapaxes(v_BTKH, 1, 2)
+    scale, cap = config.attn_scale, config.attn_softcap
     if kv is None:
-        o_BTNH = attend(q_BTNH, k_BKTH, v_BKTH, mask_BTS, config.attn_scale, bias_BNTS)
-        return x_BTD + project_out(b, o_BTNH), (k_BKTH, v_BKTH)
+        o_BTNH = attend(q_BTNH, k_BKTH, v_BKTH, mask_BTS, scale, bias_BNTS, softcap=cap)
+        return residual(config, x_BTD, project_out(b, o_BTNH), b.attn_out_norm), (k_BKTH, v_BKTH)
     k_cache, v_cache, slot_BT = kv
     own = (k_BKTH, v_BKTH, at_slots(mask_BTS, slot_BT),
            None if bias_BNTS is None else at_slots(bias_BNTS, slot_BT[:, None]))
     out_BTNH, lse_BTN = attend_parts(q_BTNH, k_cache, v_cache, hide_slots(mask_BTS, slot_BT),
-                                     config.attn_scale, bias_BNTS, kv_len, own)
+                                     scale, bias_BNTS, kv_len, own, cap)
     if prefix is not None:
-        shared = attend_shared(q_BTNH, *prefix[:3], config.attn_scale, prefix[3])
+        shared = attend_shared(q_BTNH, *prefix[:3], scale, prefix[3], cap)
         out_BTNH, _ = merge_parts(out_BTNH, lse_BTN, *shared)
     # The writes come after the reads and depend on them (+ 0 * output), which lets XLA update
     # the cache in place; written while a read of it is pending, XLA copies the whole cache.
     after_BT11 = 0 * out_BTNH[:, :, :1, :1]
     k_BKSH = cache_lib.write(k_cache, k_BTKH + after_BT11, slot_BT)
     v_BKSH = cache_lib.write(v_cache, v_BTKH + after_BT11, slot_BT)
-    return x_BTD + project_out(b, out_BTNH.astype(x_BTD.dtype)), (k_BKSH, v_BKSH)
+    out_BTD = project_out(b, out_BTNH.astype(x_BTD.dtype))
+    return residual(config, x_BTD, out_BTD, b.attn_out_norm), (k_BKSH, v_BKSH)
 
 
 def hide_slots(mask_BTS, slot_BT):
@@ -102,4 +111,5 @@ def cross_kv(config, c, states_BMD):
 
 def feed_forward(config, b, x_BTD):
     """MLP sublayer."""
-    return x_BTD + mlp(norm(x_BTD, b.mlp_norm, config.norm, config.norm_eps), b, config)
+    y_BTD = mlp(norm(x_BTD, b.mlp_norm, config.norm, config.norm_eps), b, config)
+    return residual(config, x_BTD, y_BTD, b.mlp_out_norm)

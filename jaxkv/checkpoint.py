@@ -31,8 +31,8 @@ MANIFEST = "jaxkv_manifest.json"
 
 def load(path, dtype=None) -> Params:
     """Params from a Hugging Face directory (config.json + *.safetensors: GPT-2, Llama, Qwen2,
-    Qwen3, Mistral, T5, Whisper), a .gguf file (llama), a CTranslate2 Whisper directory, a
-    jaxkv.save directory, or a model name in the local Hugging Face cache (see
+    Qwen3, Mistral, Gemma 2, Gemma 3 (text), T5, Whisper), a .gguf file (llama), a CTranslate2
+    Whisper directory, a jaxkv.save directory, or a model name in the local Hugging Face cache (see
     jaxkv.locate.resolve; nothing is downloaded).
 
     dtype: what floating weights become (float32, bfloat16 or float16); by default float32 for
@@ -101,6 +101,19 @@ MISTRAL_DEFAULTS = dict(intermediate_size=14336, num_hidden_layers=32, num_atten
                         max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, rope_theta=10000.0,
                         tie_word_embeddings=False, sliding_window=4096, bos_token_id=1,
                         eos_token_id=2)
+GEMMA2_DEFAULTS = dict(intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                       max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+                       attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+                       layer_types=None, final_logit_softcapping=30.0,
+                       attn_logit_softcapping=50.0, tie_word_embeddings=True, bos_token_id=2,
+                       eos_token_id=1)
+# Gemma3TextConfig: older configs give the RoPE bases top-level and the local/global layer
+# pattern as sliding_window_pattern; transformers 5 writes rope_parameters per layer type and
+# layer_types
+GEMMA3_DEFAULTS = {**GEMMA2_DEFAULTS, "max_position_embeddings": 131072, "rope_theta": 1e6,
+                   "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
+                   "final_logit_softcapping": None, "attn_logit_softcapping": None}
 T5_DEFAULTS = dict(d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=None, num_heads=8,
                    relative_attention_num_buckets=32, relative_attention_max_distance=128,
                    layer_norm_epsilon=1e-6, feed_forward_proj="relu", n_positions=512,
@@ -156,6 +169,64 @@ def _mistral_config(hf: dict, source: str) -> Config:
     """Mistral: Llama whose every layer reads a sliding window (sliding_window null: none)."""
     hf = _with_defaults(hf, MISTRAL_DEFAULTS, ("vocab_size", "hidden_size"), source)
     return _rope_decoder_config(hf, source, **_window(hf, 0))
+
+
+def _gemma2_config(hf: dict, source: str) -> Config:
+    """Gemma 2: local (even) and global (odd) layers; scores and logits soft-capped."""
+    hf = _with_defaults(hf, GEMMA2_DEFAULTS, ("vocab_size", "hidden_size"), source)
+    theta, scaling = _rope_scaling(hf, source)
+    return _gemma_config(hf, source, 2, rope_theta=theta, rope_scaling=scaling,
+                         attn_softcap=hf["attn_logit_softcapping"])
+
+
+def _gemma3_config(hf: dict, source: str) -> Config:
+    """Gemma 3 (text): five local layers to one global by default; per-head q/k norms; the
+    local layers' RoPE base is their own. Its attention never soft-caps scores (transformers'
+    Gemma3Attention ignores attn_logit_softcapping), so neither do we."""
+    hf = _with_defaults(hf, GEMMA3_DEFAULTS, ("vocab_size", "hidden_size"), source)
+    theta, scaling, local_theta = _gemma3_rope(hf, source)
+    return _gemma_config(hf, source, hf["sliding_window_pattern"], qk_norm=True,
+                         rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta)
+
+
+def _gemma3_rope(hf: dict, source: str) -> tuple:
+    """(theta, scaling) of the global layers and the local layers' theta, from rope_parameters
+    per layer type (transformers 5) or rope_theta, rope_scaling and rope_local_base_freq."""
+    rope = hf.get("rope_parameters") or {}
+    if not {"full_attention", "sliding_attention"} & set(rope):
+        return (*_rope_scaling(hf, source), hf["rope_local_base_freq"])
+    full = rope.get("full_attention") or {"rope_type": "default"}
+    local = rope.get("sliding_attention") or {}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise CheckpointError(f"{source}: RoPE scaling in the sliding-window layers ({local!r}) "
+                              "is not supported")
+    theta, scaling = _rope_scaling({**hf, "rope_parameters": full}, source)
+    return theta, scaling, local.get("rope_theta", hf["rope_local_base_freq"])
+
+
+def _gemma_config(hf: dict, source: str, pattern: int, **family) -> Config:
+    """What Gemma 2 and 3 share: gated GELU-tanh, embeddings scaled by sqrt(width), sublayer
+    outputs normed, scores scaled by query_pre_attn_scalar**-0.5, logits soft-capped where
+    final_logit_softcapping says; layer_types (else every pattern-th layer global) picks the
+    sliding-window layers."""
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{source}: bidirectional attention (use_bidirectional_attention) "
+                              "is not supported")
+    if _activation(hf["hidden_activation"], source) != "gelu_tanh":
+        raise CheckpointError(f"{source}: unsupported hidden_activation "
+                              f"{hf['hidden_activation']!r}")
+    L, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    types = hf["layer_types"] or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                  for i in range(L)]
+    return Config.llama(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=L, n_heads=n_heads,
+        n_kv_heads=hf["num_key_value_heads"] or n_heads, head_dim=hf["head_dim"],
+        d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
+        norm_eps=hf["rms_norm_eps"], activation="gelu_tanh", attn_bias=hf["attention_bias"],
+        tie_embeddings=hf["tie_word_embeddings"], scale_embeddings=True, post_norms=True,
+        attn_scale_base=hf["query_pre_attn_scalar"],
+        logit_softcap=hf["final_logit_softcapping"], **_window({**hf, "layer_types": types}, 0),
+        **family, **_special_ids(hf, source, ("bos_token_id", "eos_token_id")))
 
 
 def _window(hf: dict, first_windowed: int) -> dict:
@@ -270,6 +341,8 @@ HF_ARCHITECTURES = {
         c, convert.HF_LLAMA_NAMES)),
     "MistralForCausalLM": (_mistral_config, lambda c, names: convert.llama_map(
         c, convert.HF_LLAMA_NAMES)),
+    "Gemma2ForCausalLM": (_gemma2_config, lambda c, names: convert.gemma_map(c)),
+    "Gemma3ForCausalLM": (_gemma3_config, lambda c, names: convert.gemma_map(c)),
     "T5ForConditionalGeneration": (_t5_config, lambda c, names: convert.t5_map(c)),
     "WhisperForConditionalGeneration": (_whisper_config, lambda c, names: convert.whisper_map(c)),
 }

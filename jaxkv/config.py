@@ -19,6 +19,15 @@ def _positive_ints(obj, names):
             raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}")
 
 
+def _optional_positive(obj, names):
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and (isinstance(value, bool) or
+                                  not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"{type(obj).__name__}.{name} must be None or a number > 0, got "
+                             f"{value!r}")
+
+
 def _check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"Config.{name} must be one of {choices}, got {value!r}")
@@ -70,6 +79,10 @@ class Config:
     GPT-2 family: learned positions + LayerNorm + GELU(tanh) + biases + tied head.
     Llama family: RoPE + RMSNorm + SwiGLU (gated SiLU) + grouped-query attention; Llama 3.1+
     scales RoPE (rope_scaling), Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms (qk_norm).
+    Gemma 2/3: Llama with gated GELU-tanh, embeddings scaled by sqrt(d_model), a norm after each
+    sublayer too (post_norms), scores scaled by attn_scale_base**-0.5, local (windowed) and global
+    layers; Gemma 2 soft-caps scores and logits, Gemma 3 has per-head q/k norms and a RoPE base
+    of its own in the local layers (local_rope_theta).
     T5: relative position bias + RMSNorm + unscaled attention + ReLU or gated-GELU MLP.
     Whisper: audio encoder; decoder with learned positions + LayerNorm + GELU + biases.
     """
@@ -94,6 +107,12 @@ class Config:
     relative_buckets: int = 32  # T5 relative position bias
     relative_max_distance: int = 128
     scale_attention: bool = True  # scores * head_dim**-0.5 (T5 folds this into its weights)
+    attn_scale_base: float | None = None  # scores * attn_scale_base**-0.5 instead (Gemma's
+    # query_pre_attn_scalar); None: head_dim
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    scale_embeddings: bool = False  # embeddings * sqrt(d_model), in their dtype (Gemma)
+    post_norms: bool = False  # each sublayer's output normed before the residual add (Gemma 2/3)
     attn_bias: bool = False  # q/k/v projection biases
     attn_out_bias: bool | None = None  # output projection bias; None: as attn_bias (Qwen2: off)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
@@ -102,6 +121,8 @@ class Config:
     # at positions > p - sliding_window (Mistral; Qwen2 with use_sliding_window).
     sliding_window: int | None = None
     window_layers: tuple = ()
+    local_rope_theta: float | None = None  # RoPE base of the window layers, unscaled (Gemma 3);
+    # None: rope_theta and rope_scaling as in every layer
     mlp_bias: bool = False
     tie_embeddings: bool = False
     rescale_logits: bool = False  # T5 (original): the head sees hidden * d_model**-0.5
@@ -127,6 +148,8 @@ class Config:
         if not self.norm_eps > 0 or not self.rope_theta > 0:
             raise ValueError("Config.norm_eps and Config.rope_theta must be > 0, got "
                              f"{self.norm_eps!r} and {self.rope_theta!r}")
+        _optional_positive(self, ("attn_scale_base", "attn_softcap", "logit_softcap",
+                                  "local_rope_theta"))
         for name in ("bos_id", "eos_id", "decoder_start_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
@@ -163,7 +186,16 @@ class Config:
 
     @property
     def attn_scale(self) -> float:
-        return self.head_dim ** -0.5 if self.scale_attention else 1.0
+        if not self.scale_attention:
+            return 1.0
+        return (self.attn_scale_base or self.head_dim) ** -0.5
+
+    def rope(self, local: bool = False) -> tuple:
+        """(theta, scaling) of a layer's RoPE: local_rope_theta, unscaled, in a window (local)
+        layer when it is set; rope_theta and rope_scaling otherwise."""
+        if local and self.local_rope_theta is not None:
+            return self.local_rope_theta, ()
+        return self.rope_theta, self.rope_scaling
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -138,6 +138,26 @@ HF_LLAMA_NAMES = {
     "lm_head": "lm_head.weight",
 }
 
+def one_plus(w):
+    """Gemma's norms scale by 1 + weight: stored as that sum, made in float32 as transformers
+    makes it on every call (so exact in float32; rounded once when loaded in a narrower
+    dtype)."""
+    return np.float32(1) + w
+
+
+def gemma_map(c: Config) -> dict:
+    """Hugging Face Gemma2ForCausalLM / Gemma3ForCausalLM: the Llama map with each sublayer's
+    output normed too (post_attention_layernorm, post_feedforward_layernorm; the MLP's input
+    norm is pre_feedforward_layernorm), every norm scaling by 1 + weight."""
+    layer = "model.layers.{i}."
+    names = {**HF_LLAMA_NAMES, "mlp_norm": layer + "pre_feedforward_layernorm.weight"}
+    m = {**llama_map(c, names),
+         **norm(c, "blocks.attn_out_norm", layer + "post_attention_layernorm.weight"),
+         **norm(c, "blocks.mlp_out_norm", layer + "post_feedforward_layernorm.weight")}
+    return {ours: dataclasses.replace(src, to_ours=one_plus) if ours.endswith("norm.scale")
+            else src for ours, src in m.items()}
+
+
 GGUF_LLAMA_NAMES = {
     "embed": "token_embd.weight",
     "attn_norm": "blk.{i}.attn_norm.weight",

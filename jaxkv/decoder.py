@@ -16,8 +16,11 @@ from jaxkv.tracecount import count_trace
 
 
 def embed(params: Params, tokens_BT, pos_BT):
-    """Token embeddings, plus learned position embeddings where the model has them."""
+    """Token embeddings (times sqrt(d_model) in their dtype where config.scale_embeddings),
+    plus learned position embeddings where the model has them."""
     x_BTD = params.embed[tokens_BT]
+    if params.config.scale_embeddings:
+        x_BTD = x_BTD * jnp.asarray(params.config.d_model ** 0.5, x_BTD.dtype)
     if params.config.position == "learned":
         # Padding may sit past the table; clip so it stays finite (its result is never used).
         x_BTD = x_BTD + jnp.take(params.pos_embed, pos_BT, axis=0, mode="clip")
@@ -25,13 +28,16 @@ def embed(params: Params, tokens_BT, pos_BT):
 
 
 def logits(params: Params, x_BTD):
-    """Final norm and output head, in float32: [B, T, V]."""
+    """Final norm and output head, in float32: [B, T, V] (soft-capped: config.logit_softcap)."""
     c = params.config
     x_BTD = norm(x_BTD, params.final_norm, c.norm, c.norm_eps)
     if c.rescale_logits:
         x_BTD = x_BTD * c.d_model ** -0.5
     head_VD = params.embed if params.lm_head is None else params.lm_head
-    return dense(x_BTD, head_VD, dtype=jnp.float32)
+    logits_BTV = dense(x_BTD, head_VD, dtype=jnp.float32)
+    if c.logit_softcap is not None:
+        logits_BTV = c.logit_softcap * jnp.tanh(logits_BTV / c.logit_softcap)
+    return logits_BTV
 
 
 def self_bias(params: Params, pos_BT, key_pos_BS):
@@ -67,9 +73,10 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
     for layer, b in enumerate(params.blocks):
         kv = None if self_kv is None else (self_kv[0][layer], self_kv[1][layer], self_kv[2])
         shared = None if prefix is None else (prefix[0][layer], prefix[1][layer], *prefix[2:])
-        mask = local_BTS if layer in c.window_layers else mask_BTS
-        x_BTD, (k_BKSH, v_BKSH) = blocks.self_attention(c, b, x_BTD, pos_BT, mask, bias_BNTS,
-                                                        kv, shared, kv_len)
+        local = layer in c.window_layers
+        x_BTD, (k_BKSH, v_BKSH) = blocks.self_attention(
+            c, b, x_BTD, pos_BT, local_BTS if local else mask_BTS, bias_BNTS, kv, shared, kv_len,
+            local)
         if cross is not None:
             x_BTD = blocks.cross_attention(c, params.cross[layer], x_BTD, cross[0][layer],
                                            cross[1][layer], cross[2])

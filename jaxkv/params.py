@@ -40,6 +40,8 @@ class Block:
     b_out: jax.Array | None = None  # [D]
     q_norm: Norm | None = None  # scale [H], shared by every query head; config.qk_norm only
     k_norm: Norm | None = None  # scale [H], shared by every kv head
+    attn_out_norm: Norm | None = None  # of the attention output; config.post_norms only
+    mlp_out_norm: Norm | None = None  # of the MLP output
 
 
 @struct.dataclass
@@ -145,7 +147,9 @@ class _Init:
             mlp_norm=self.norm(), w_in=self.normal(F_in, D), w_out=self.normal(D, F),
             bqkv=self.zeros(qkv, when=c.attn_bias), bo=self.zeros(D, when=c.attn_out_bias),
             b_in=self.zeros(F_in, when=c.mlp_bias), b_out=self.zeros(D, when=c.mlp_bias),
-            q_norm=self.head_norm(), k_norm=self.head_norm())
+            q_norm=self.head_norm(), k_norm=self.head_norm(),
+            attn_out_norm=self.norm() if c.post_norms else None,
+            mlp_out_norm=self.norm() if c.post_norms else None)
 
     def cross(self):
         c = self.c
