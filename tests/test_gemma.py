@@ -122,12 +122,14 @@ def test_ragged_greedy_matches_hugging_face_per_prompt(gemmas, name):
         np.testing.assert_array_equal(ours[row], theirs)
 
 
-@pytest.mark.parametrize("name", ["gemma2_gqa", "gemma3_gqa_linear"])
-def test_decode_equals_forward_past_the_window(gemmas, name):
+@pytest.mark.parametrize("name, capacity", [("gemma2_gqa", 1024), ("gemma3_gqa_linear", 64)])
+def test_decode_equals_forward_past_the_window(gemmas, name, capacity):
+    """Capacity 1024: attention visits the filled blocks only (attention.BLOCK slots each),
+    with the soft-cap in the block loop."""
     params = jaxkv.load(gemmas[name][1])
     tokens_BT = random_tokens(1, (2, 30))
     ref_BTV = jaxkv.forward(params, tokens_BT)
-    cache = jaxkv.init_cache(params, 2, 64)
+    cache = jaxkv.init_cache(params, 2, capacity)
     logits_BV, cache = jaxkv.prefill(params, cache, tokens_BT[:, :12])  # longer than W
     np.testing.assert_allclose(logits_BV, ref_BTV[:, 11], atol=1e-5, rtol=0)
     step = jax.jit(jaxkv.decode_step)
