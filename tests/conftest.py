@@ -1,8 +1,11 @@
 """Shared fixtures: float32 at "highest" matmul precision, tiny configs, tiny HF models."""
 
+import json
 import os
+import shutil
 
 import jax
+import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -103,16 +106,18 @@ def hf_configs():
     }
 
 
-@pytest.fixture(scope="session")
-def hf_models(tmp_path_factory):
-    """{name: (torch model, directory written by save_pretrained)}; no download."""
+def save_tiny_models(configs, tmp_path_factory, seed=0, eager=False):
+    """{name: (torch model, directory written by save_pretrained)} for {name: (config, class)};
+    biases and norm weights get noise (HF initialises them to 0 or 1), so they matter."""
     import torch
 
     models = {}
-    for i, (name, (config, cls)) in enumerate(hf_configs().items()):
-        torch.manual_seed(i)
+    for i, (name, (config, cls)) in enumerate(configs.items()):
+        torch.manual_seed(seed + i)
+        if eager:
+            config._attn_implementation = "eager"
         model = cls(config).eval()
-        with torch.no_grad():  # HF initialises biases to zero; make them matter
+        with torch.no_grad():
             for n, p in model.named_parameters():
                 if n.endswith("bias") or "norm" in n or "ln_" in n:
                     p.add_(0.1 * torch.randn_like(p))
@@ -120,3 +125,44 @@ def hf_models(tmp_path_factory):
         model.save_pretrained(path)
         models[name] = (model, path)
     return models
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """{name: (torch model, directory written by save_pretrained)}; no download."""
+    return save_tiny_models(hf_configs(), tmp_path_factory)
+
+
+def hf_greedy(model, prompt, new_tokens):
+    """transformers' greedy continuation of one prompt, exactly new_tokens long."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+            1, len(prompt), dtype=int), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].numpy()
+
+
+def assert_ragged_greedy_matches_hf(model, params, lengths=(5, 11), new_tokens=24):
+    """jaxkv.generate over ragged prompts == transformers' generate on each prompt alone."""
+    prompts = [random_tokens(4 + i, (n,)).tolist() for i, n in enumerate(lengths)]
+    ours, ours_lengths = jaxkv.generate(params, prompts, new_tokens)
+    assert ours_lengths.tolist() == [new_tokens] * len(prompts)
+    for row, prompt in enumerate(prompts):
+        np.testing.assert_array_equal(ours[row], hf_greedy(model, prompt, new_tokens))
+
+
+def edited_copy(path, tmp_path, **changes):
+    """A copy of a saved HF directory whose config.json has changes merged in."""
+    copy = shutil.copytree(path, tmp_path / path.name)
+    file = copy / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
+    return copy
+
+
+def assert_save_load_round_trip(params, tmp_path):
+    jaxkv.save(params, tmp_path / "saved")
+    loaded = jaxkv.load(tmp_path / "saved")
+    assert loaded.config == params.config
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)

@@ -6,7 +6,6 @@ tokens."""
 
 import json
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -14,7 +13,9 @@ import torch
 import jaxkv
 from jaxkv.convert import CheckpointError
 from jaxkv.layers import rope_frequencies
-from tests.conftest import HF_TINY, random_tokens
+from tests.conftest import (HF_TINY, assert_ragged_greedy_matches_hf,
+                            assert_save_load_round_trip, edited_copy, random_tokens,
+                            save_tiny_models)
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
              max_position_embeddings=128, **HF_TINY)
@@ -63,19 +64,8 @@ def old_style_rope(path):
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     """{name: (torch model, directory written by save_pretrained)}; no download."""
-    models = {}
-    for i, (name, (config, cls)) in enumerate(family_configs().items()):
-        torch.manual_seed(100 + i)
-        model = cls(config).eval()
-        with torch.no_grad():  # HF initialises biases to zero and norms to one; make them matter
-            for n, p in model.named_parameters():
-                if n.endswith("bias") or "norm" in n:
-                    p.add_(0.1 * torch.randn_like(p))
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        if name == "llama_linear_mqa":
-            old_style_rope(path)
-        models[name] = (model, path)
+    models = save_tiny_models(family_configs(), tmp_path_factory, seed=100)
+    old_style_rope(models["llama_linear_mqa"][1])
     return models
 
 
@@ -109,16 +99,7 @@ def test_logits_match_hugging_face(families, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_ragged_greedy_matches_hugging_face_per_prompt(families, name):
     model, path = families[name]
-    params = jaxkv.load(path)
-    prompts = [random_tokens(4, (5,)).tolist(), random_tokens(5, (11,)).tolist()]
-    ours, lengths = jaxkv.generate(params, prompts, 24)
-    assert lengths.tolist() == [24, 24]
-    for row, prompt in enumerate(prompts):
-        with torch.no_grad():
-            theirs = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
-                1, len(prompt), dtype=int), max_new_tokens=24, min_new_tokens=24,
-                do_sample=False, pad_token_id=0)[0, len(prompt):].numpy()
-        np.testing.assert_array_equal(ours[row], theirs)
+    assert_ragged_greedy_matches_hf(model, jaxkv.load(path))
 
 
 @pytest.mark.parametrize("scaling", [
@@ -147,20 +128,7 @@ def test_rope_frequencies_match_transformers(scaling):
 
 @pytest.mark.parametrize("name", ["qwen2_gqa", "qwen3_gqa", "llama3_gqa"])
 def test_save_load_round_trip(families, tmp_path, name):
-    params = jaxkv.load(families[name][1])
-    jaxkv.save(params, tmp_path / "saved")
-    loaded = jaxkv.load(tmp_path / "saved")
-    assert loaded.config == params.config
-    jax.tree.map(np.testing.assert_array_equal, loaded, params)
-
-
-def edited_copy(families, name, tmp_path, **changes):
-    import shutil
-
-    path = shutil.copytree(families[name][1], tmp_path / name)
-    file = path / "config.json"
-    file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
-    return path
+    assert_save_load_round_trip(jaxkv.load(families[name][1]), tmp_path)
 
 
 @pytest.mark.parametrize("name, changes, match", [
@@ -174,7 +142,7 @@ def edited_copy(families, name, tmp_path, **changes):
 ])
 def test_unsupported_or_broken_configs_name_the_problem(families, tmp_path, name, changes,
                                                         match):
-    path = edited_copy(families, name, tmp_path, **changes)
+    path = edited_copy(families[name][1], tmp_path, **changes)
     with pytest.raises(CheckpointError, match="config.json: " + match):
         jaxkv.load(path)
 

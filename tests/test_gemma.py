@@ -14,7 +14,9 @@ import torch
 
 import jaxkv
 from jaxkv.convert import CheckpointError
-from tests.conftest import HF_TINY, random_tokens
+from tests.conftest import (HF_TINY, assert_ragged_greedy_matches_hf,
+                            assert_save_load_round_trip, edited_copy, random_tokens,
+                            save_tiny_models)
 
 W = 8
 SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -61,20 +63,8 @@ def old_style_gemma3(path):
 @pytest.fixture(scope="module")
 def gemmas(tmp_path_factory):
     """{name: (torch model, directory written by save_pretrained)}; no download."""
-    models = {}
-    for i, (name, (config, cls)) in enumerate(gemma_configs().items()):
-        torch.manual_seed(300 + i)
-        config._attn_implementation = "eager"
-        model = cls(config).eval()
-        with torch.no_grad():  # HF initialises norm weights to zero; make them matter
-            for n, p in model.named_parameters():
-                if n.endswith("bias") or "norm" in n:
-                    p.add_(0.1 * torch.randn_like(p))
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        if name.endswith("old_style"):
-            old_style_gemma3(path)
-        models[name] = (model, path)
+    models = save_tiny_models(gemma_configs(), tmp_path_factory, seed=300, eager=True)
+    old_style_gemma3(models["gemma3_mqa_capped_old_style"][1])
     return models
 
 
@@ -111,15 +101,7 @@ def test_logits_match_hugging_face_past_the_window(gemmas, name):
 def test_ragged_greedy_matches_hugging_face_per_prompt(gemmas, name):
     """Prompts of 5 and 19 tokens (one shorter, one longer than the window), 24 new tokens."""
     model, path = gemmas[name]
-    prompts = [random_tokens(4, (5,)).tolist(), random_tokens(5, (19,)).tolist()]
-    ours, lengths = jaxkv.generate(jaxkv.load(path), prompts, 24)
-    assert lengths.tolist() == [24, 24]
-    for row, prompt in enumerate(prompts):
-        with torch.no_grad():
-            theirs = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
-                1, len(prompt), dtype=int), max_new_tokens=24, min_new_tokens=24,
-                do_sample=False, pad_token_id=0)[0, len(prompt):].numpy()
-        np.testing.assert_array_equal(ours[row], theirs)
+    assert_ragged_greedy_matches_hf(model, jaxkv.load(path), lengths=(5, 19))
 
 
 @pytest.mark.parametrize("name, capacity", [("gemma2_gqa", 1024), ("gemma3_gqa_linear", 64)])
@@ -151,20 +133,7 @@ def test_soft_caps_and_local_rope_matter(gemmas):
 
 
 def test_save_load_round_trip(gemmas, tmp_path):
-    params = jaxkv.load(gemmas["gemma3_gqa_linear"][1])
-    jaxkv.save(params, tmp_path / "saved")
-    loaded = jaxkv.load(tmp_path / "saved")
-    assert loaded.config == params.config
-    jax.tree.map(np.testing.assert_array_equal, loaded, params)
-
-
-def edited_copy(gemmas, name, tmp_path, **changes):
-    import shutil
-
-    path = shutil.copytree(gemmas[name][1], tmp_path / name)
-    file = path / "config.json"
-    file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
-    return path
+    assert_save_load_round_trip(jaxkv.load(gemmas["gemma3_gqa_linear"][1]), tmp_path)
 
 
 @pytest.mark.parametrize("name, changes, match", [
@@ -177,7 +146,7 @@ def edited_copy(gemmas, name, tmp_path, **changes):
      "RoPE scaling in the sliding-window layers .* is not supported"),
 ])
 def test_unsupported_configs_name_the_problem(gemmas, tmp_path, name, changes, match):
-    path = edited_copy(gemmas, name, tmp_path, **changes)
+    path = edited_copy(gemmas[name][1], tmp_path, **changes)
     with pytest.raises(CheckpointError, match="config.json: " + match):
         jaxkv.load(path)
 

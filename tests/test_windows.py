@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import jaxkv
-from tests.conftest import HF_TINY, random_tokens
+from tests.conftest import (HF_TINY, assert_ragged_greedy_matches_hf, random_tokens,
+                            save_tiny_models)
 
 W = 8
 TINY = dict(vocab_size=97, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=96,
@@ -74,18 +75,7 @@ def hf_windowed():
 
 @pytest.fixture(scope="module")
 def windowed_models(tmp_path_factory):
-    models = {}
-    for i, (name, (config, cls)) in enumerate(hf_windowed().items()):
-        torch.manual_seed(200 + i)
-        model = cls(config).eval()
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n.endswith("bias") or "norm" in n:
-                    p.add_(0.1 * torch.randn_like(p))
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        models[name] = (model, path)
-    return models
+    return save_tiny_models(hf_windowed(), tmp_path_factory, seed=200)
 
 
 @pytest.mark.parametrize("name", sorted(hf_windowed()))
@@ -109,14 +99,7 @@ def test_logits_match_hugging_face_past_the_window(windowed_models, name):
 def test_ragged_greedy_matches_hugging_face(windowed_models, name):
     """Prompts of 5 and 19 tokens (one shorter, one longer than the window), 24 new tokens."""
     model, path = windowed_models[name]
-    prompts = [random_tokens(4, (5,)).tolist(), random_tokens(5, (19,)).tolist()]
-    ours, _ = jaxkv.generate(jaxkv.load(path), prompts, 24)
-    for row, prompt in enumerate(prompts):
-        with torch.no_grad():
-            theirs = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
-                1, len(prompt), dtype=int), max_new_tokens=24, min_new_tokens=24,
-                do_sample=False, pad_token_id=0)[0, len(prompt):].numpy()
-        np.testing.assert_array_equal(ours[row], theirs)
+    assert_ragged_greedy_matches_hf(model, jaxkv.load(path), lengths=(5, 19))
 
 
 def test_config_round_trips_through_json():
