@@ -133,6 +133,18 @@ def hf_models(tmp_path_factory):
     return save_tiny_models(hf_configs(), tmp_path_factory)
 
 
+def assert_logits_match_hf(model, params, tokens_BT, atol=1e-4):
+    """jaxkv.forward == the torch model's logits within atol; returns the max |difference|."""
+    import torch
+
+    tokens_BT = np.asarray(tokens_BT)
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens_BT)).logits.numpy()
+    ours = np.asarray(jaxkv.forward(params, tokens_BT))
+    np.testing.assert_allclose(ours, theirs, atol=atol, rtol=0)
+    return float(np.abs(ours - theirs).max())
+
+
 def hf_greedy(model, prompt, new_tokens):
     """transformers' greedy continuation of one prompt, exactly new_tokens long."""
     import torch

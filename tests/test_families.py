@@ -8,12 +8,11 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import jaxkv
 from jaxkv.convert import CheckpointError
 from jaxkv.layers import rope_frequencies
-from tests.conftest import (HF_TINY, assert_ragged_greedy_matches_hf,
+from tests.conftest import (HF_TINY, assert_logits_match_hf, assert_ragged_greedy_matches_hf,
                             assert_save_load_round_trip, edited_copy, random_tokens,
                             save_tiny_models)
 
@@ -87,13 +86,8 @@ def test_families_load_as_their_configs_say(families):
 def test_logits_match_hugging_face(families, name):
     """80 positions: past the llama3 model's original context (64) too."""
     model, path = families[name]
-    params = jaxkv.load(path)
-    tokens_BT = np.asarray(random_tokens(3, (2, 80)))
-    with torch.no_grad():
-        theirs = model(torch.tensor(tokens_BT)).logits.numpy()
-    ours = np.asarray(jaxkv.forward(params, tokens_BT))
-    print(f"{name}: max |diff| {np.abs(ours - theirs).max():.2e}")
-    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    diff = assert_logits_match_hf(model, jaxkv.load(path), random_tokens(3, (2, 80)))
+    print(f"{name}: max |diff| {diff:.2e}")
 
 
 @pytest.mark.parametrize("name", NAMES)

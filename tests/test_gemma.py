@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import jaxkv
 from jaxkv.convert import CheckpointError
-from tests.conftest import (HF_TINY, assert_ragged_greedy_matches_hf,
+from tests.conftest import (HF_TINY, assert_logits_match_hf, assert_ragged_greedy_matches_hf,
                             assert_save_load_round_trip, edited_copy, random_tokens,
                             save_tiny_models)
 
@@ -89,12 +88,8 @@ def test_gemmas_load_as_their_configs_say(gemmas):
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_hugging_face_past_the_window(gemmas, name):
     model, path = gemmas[name]
-    tokens_BT = np.asarray(random_tokens(3, (2, 40)))
-    with torch.no_grad():
-        theirs = model(torch.tensor(tokens_BT)).logits.numpy()
-    ours = np.asarray(jaxkv.forward(jaxkv.load(path), tokens_BT))
-    print(f"{name}: max |diff| {np.abs(ours - theirs).max():.2e}")
-    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    diff = assert_logits_match_hf(model, jaxkv.load(path), random_tokens(3, (2, 40)))
+    print(f"{name}: max |diff| {diff:.2e}")
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import jaxkv
-from tests.conftest import (HF_TINY, assert_ragged_greedy_matches_hf, random_tokens,
-                            save_tiny_models)
+from tests.conftest import (HF_TINY, assert_logits_match_hf, assert_ragged_greedy_matches_hf,
+                            random_tokens, save_tiny_models)
 
 W = 8
 TINY = dict(vocab_size=97, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=96,
@@ -88,11 +87,7 @@ def test_loads_the_window(windowed_models, name):
 @pytest.mark.parametrize("name", sorted(hf_windowed()))
 def test_logits_match_hugging_face_past_the_window(windowed_models, name):
     model, path = windowed_models[name]
-    tokens_BT = np.asarray(random_tokens(3, (2, 40)))
-    with torch.no_grad():
-        theirs = model(torch.tensor(tokens_BT)).logits.numpy()
-    ours = np.asarray(jaxkv.forward(jaxkv.load(path), tokens_BT))
-    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    assert_logits_match_hf(model, jaxkv.load(path), random_tokens(3, (2, 40)))
 
 
 @pytest.mark.parametrize("name", sorted(hf_windowed()))
