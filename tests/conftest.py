@@ -145,6 +145,20 @@ def assert_logits_match_hf(model, params, tokens_BT, atol=1e-4):
     return float(np.abs(ours - theirs).max())
 
 
+def assert_decode_equals_forward(params, tokens_BT, prefill_len, capacity, atol=1e-5):
+    """prefill of the first prefill_len tokens, then jitted decode_step one token at a time:
+    the logits at every position equal the uncached forward's."""
+    B, T = tokens_BT.shape
+    ref_BTV = jaxkv.forward(params, tokens_BT)
+    cache = jaxkv.init_cache(params, B, capacity)
+    logits_BV, cache = jaxkv.prefill(params, cache, tokens_BT[:, :prefill_len])
+    np.testing.assert_allclose(logits_BV, ref_BTV[:, prefill_len - 1], atol=atol, rtol=0)
+    step = jax.jit(jaxkv.decode_step)
+    for t in range(prefill_len, T):
+        logits_BV, cache = step(params, cache, tokens_BT[:, t], jax.numpy.full((B,), t))
+        np.testing.assert_allclose(logits_BV, ref_BTV[:, t], atol=atol, rtol=0)
+
+
 def hf_greedy(model, prompt, new_tokens):
     """transformers' greedy continuation of one prompt, exactly new_tokens long."""
     import torch

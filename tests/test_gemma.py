@@ -6,16 +6,14 @@ save_pretrained's files and must match transformers' logits and greedy tokens pa
 
 import json
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxkv
 from jaxkv.convert import CheckpointError
-from tests.conftest import (HF_TINY, assert_logits_match_hf, assert_ragged_greedy_matches_hf,
-                            assert_save_load_round_trip, edited_copy, random_tokens,
-                            save_tiny_models)
+from tests.conftest import (HF_TINY, assert_decode_equals_forward, assert_logits_match_hf,
+                            assert_ragged_greedy_matches_hf, assert_save_load_round_trip,
+                            edited_copy, random_tokens, save_tiny_models)
 
 W = 8
 SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -104,15 +102,7 @@ def test_decode_equals_forward_past_the_window(gemmas, name, capacity):
     """Capacity 1024: attention visits the filled blocks only (attention.BLOCK slots each),
     with the soft-cap in the block loop."""
     params = jaxkv.load(gemmas[name][1])
-    tokens_BT = random_tokens(1, (2, 30))
-    ref_BTV = jaxkv.forward(params, tokens_BT)
-    cache = jaxkv.init_cache(params, 2, capacity)
-    logits_BV, cache = jaxkv.prefill(params, cache, tokens_BT[:, :12])  # longer than W
-    np.testing.assert_allclose(logits_BV, ref_BTV[:, 11], atol=1e-5, rtol=0)
-    step = jax.jit(jaxkv.decode_step)
-    for t in range(12, 30):
-        logits_BV, cache = step(params, cache, tokens_BT[:, t], jnp.full((2,), t))
-        np.testing.assert_allclose(logits_BV, ref_BTV[:, t], atol=1e-5, rtol=0)
+    assert_decode_equals_forward(params, random_tokens(1, (2, 30)), 12, capacity)  # 12 > W
 
 
 def test_soft_caps_and_local_rope_matter(gemmas):

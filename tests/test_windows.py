@@ -3,13 +3,12 @@ query at position p reads keys at positions > p - W. Exact against the uncached 
 against transformers, prompts longer than the window included."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxkv
-from tests.conftest import (HF_TINY, assert_logits_match_hf, assert_ragged_greedy_matches_hf,
-                            random_tokens, save_tiny_models)
+from tests.conftest import (HF_TINY, assert_decode_equals_forward, assert_logits_match_hf,
+                            assert_ragged_greedy_matches_hf, random_tokens, save_tiny_models)
 
 W = 8
 TINY = dict(vocab_size=97, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=96,
@@ -20,15 +19,7 @@ TINY = dict(vocab_size=97, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff
 def test_decode_equals_forward_past_the_window(layers):
     params = jaxkv.init_params(jaxkv.Config.llama(sliding_window=W, window_layers=layers, **TINY),
                                jax.random.key(0))
-    tokens_BT = random_tokens(1, (2, 30))
-    ref_BTV = jaxkv.forward(params, tokens_BT)
-    cache = jaxkv.init_cache(params, 2, 64)
-    logits_BV, cache = jaxkv.prefill(params, cache, tokens_BT[:, :12])  # longer than W
-    np.testing.assert_allclose(logits_BV, ref_BTV[:, 11], atol=1e-5, rtol=0)
-    step = jax.jit(jaxkv.decode_step)
-    for t in range(12, 30):
-        logits_BV, cache = step(params, cache, tokens_BT[:, t], jnp.full((2,), t))
-        np.testing.assert_allclose(logits_BV, ref_BTV[:, t], atol=1e-5, rtol=0)
+    assert_decode_equals_forward(params, random_tokens(1, (2, 30)), 12, 64)  # 12 > W
 
 
 def test_window_matters_only_past_its_length():
