@@ -34,10 +34,6 @@ def set_value_checks(enabled: bool) -> None:
     jax.clear_caches()
 
 
-def value_checks_enabled() -> bool:
-    return _VALUE_CHECKS["on"]
-
-
 class _HideCheckTraceback(logging.Filter):
     """jax logs a failing callback's traceback before raising it; ours carry their own message."""
 
