@@ -3,14 +3,17 @@ and jaxkv.save directories."""
 
 import os
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers,
+                        processors)
 
 from jaxkv import locate
 from jaxkv.checkpoint import (SAVED_CONFIG, gguf_field, gguf_reader, gguf_required, read_json,
                               verify_saved_file)
 from jaxkv.convert import CheckpointError
 
-GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
+# llama.cpp's token types (tokenizer.ggml.token_type)
+GGUF_NORMAL, GGUF_CONTROL, GGUF_USER_DEFINED = 1, 3, 4
+SPIECE_SPACE = "\u2581"  # '▁', SentencePiece's spelling of a space
 
 
 def load_tokenizer(path) -> Tokenizer:
@@ -48,12 +51,33 @@ def _parsed(source: str, what: str, parse, *args):
 
 
 def tokenizer_from_gguf(reader, source: str = "GGUF") -> Tokenizer:
-    """A byte-level BPE tokenizer ('gpt2' GGUF tokenizer model) from the GGUF's metadata."""
+    """A tokenizer from a GGUF's metadata, for llama.cpp's 'gpt2' (byte-level BPE) and 'llama'
+    (SentencePiece BPE with byte fallback: Llama 1/2, TinyLlama, Gemma) tokenizer models.
+
+    Tokens typed control become special tokens and user-defined ones plain added tokens, both
+    matched whole in the raw text before the model sees it, as llama.cpp does; BOS / EOS are added
+    where tokenizer.ggml.add_bos_token / add_eos_token say (a 'llama' file that does not say gets
+    BOS, llama.cpp's default).
+    """
     kind = gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    build = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}.get(kind)
+    if build is None:
         raise ValueError(f"{source}: GGUF tokenizer model {kind!r} is not supported (only 'gpt2' "
-                         "byte-level BPE); use a directory with tokenizer.json")
+                         "byte-level BPE and 'llama' SentencePiece); use a directory with "
+                         "tokenizer.json")
     tokens = gguf_required(reader, "tokenizer.ggml.tokens", source)
+    types = gguf_field(reader, "tokenizer.ggml.token_type") or [GGUF_NORMAL] * len(tokens)
+    tok = build(reader, tokens, types, source)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == GGUF_CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False)
+                    for t, kind in zip(tokens, types) if kind == GGUF_USER_DEFINED])
+    tok.post_processor = _bos_eos(reader, tokens, add_bos_default=kind == "llama")
+    return tok
+
+
+def _byte_level_bpe(reader, tokens, types, source) -> Tokenizer:
+    """GPT-2's byte-level BPE; the merges are in the file."""
     merges = [tuple(m.split(" ", 1))
               for m in gguf_required(reader, "tokenizer.ggml.merges", source)]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
@@ -63,16 +87,60 @@ def tokenizer_from_gguf(reader, source: str = "GGUF") -> Tokenizer:
                                               byte_level])
     tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    types = gguf_field(reader, "tokenizer.ggml.token_type", [])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, types) if kind == GGUF_CONTROL])
-    tok.add_tokens([AddedToken(t, normalized=False)
-                    for t, kind in zip(tokens, types) if kind == GGUF_USER_DEFINED])
-    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    if gguf_field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
     return tok
+
+
+def _sentencepiece_bpe(reader, tokens, types, source) -> Tokenizer:
+    """SentencePiece BPE as llama.cpp runs it: spaces spelled '▁', pieces merged by the scores
+    of the tokens they make, a character outside the vocabulary spelled by its UTF-8 bytes'
+    <0xNN> tokens. Where tokenizer.ggml.add_space_prefix (default true; Gemma: false), a space
+    goes before the text and before the text after each added token, as llama.cpp and Llama 2's
+    own tokenizer.json do; the decoder strips it from the start of the text."""
+    scores = gguf_required(reader, "tokenizer.ggml.scores", source)
+    unk = gguf_field(reader, "tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                               merges=sentencepiece_merges(tokens, scores, types),
+                               unk_token=None if unk is None else tokens[unk], fuse_unk=True,
+                               byte_fallback=True))
+    space_prefix = gguf_field(reader, "tokenizer.ggml.add_space_prefix", True)
+    # the normalizer runs on each stretch of text between added tokens
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPIECE_SPACE)] * space_prefix
+                                          + [normalizers.Replace(" ", SPIECE_SPACE)])
+    tok.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(),
+                                     decoders.Fuse()] + [decoders.Strip(" ", 1, 0)] * space_prefix)
+    return tok
+
+
+def sentencepiece_merges(tokens, scores, types) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies, best first.
+
+    SentencePiece BPE (and llama.cpp's 'llama' tokenizer) repeatedly joins the adjacent pair
+    whose joined text is the normal token of highest score, so each split of a normal token into
+    two tokens is a merge ranked by that token's score (its negated merge order in the files
+    seen). Ties: lower id first, then the longer left piece. Control, user-defined, byte and
+    unused tokens are never made by merging.
+    """
+    vocab = {t: i for i, t in enumerate(tokens)}
+    normal = sorted((i for i, kind in enumerate(types) if kind == GGUF_NORMAL),
+                    key=lambda i: (-scores[i], i))
+    return [(tokens[i][:cut], tokens[i][cut:]) for i in normal
+            for cut in range(len(tokens[i]) - 1, 0, -1)
+            if tokens[i][:cut] in vocab and tokens[i][cut:] in vocab]
+
+
+def _bos_eos(reader, tokens, add_bos_default: bool):
+    """A post-processor adding BOS before and EOS after the text as the GGUF says, or None."""
+    def end(key, default):
+        token_id = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
+        if token_id is None or not gguf_field(reader, f"tokenizer.ggml.add_{key}_token", default):
+            return []
+        return [(tokens[token_id], token_id)]
+
+    bos, eos = end("bos", add_bos_default), end("eos", False)
+    if not bos + eos:
+        return None
+    return processors.TemplateProcessing(single=[t for t, _ in bos] + ["$A"] + [t for t, _ in eos],
+                                         special_tokens=bos + eos)
 
 
 def chat_template(path) -> str | None:
