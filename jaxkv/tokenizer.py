@@ -12,7 +12,7 @@ from jaxkv.checkpoint import (SAVED_CONFIG, gguf_field, gguf_reader, gguf_requir
 from jaxkv.convert import CheckpointError
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
-GGUF_NORMAL, GGUF_CONTROL, GGUF_USER_DEFINED = 1, 3, 4
+GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED = 1, 2, 3, 4
 SPIECE_SPACE = "\u2581"  # '▁', SentencePiece's spelling of a space
 
 
@@ -54,10 +54,10 @@ def tokenizer_from_gguf(reader, source: str = "GGUF") -> Tokenizer:
     """A tokenizer from a GGUF's metadata, for llama.cpp's 'gpt2' (byte-level BPE) and 'llama'
     (SentencePiece BPE with byte fallback: Llama 1/2, TinyLlama, Gemma) tokenizer models.
 
-    Tokens typed control become special tokens and user-defined ones plain added tokens, both
-    matched whole in the raw text before the model sees it, as llama.cpp does; BOS / EOS are added
-    where tokenizer.ggml.add_bos_token / add_eos_token say (a 'llama' file that does not say gets
-    BOS, llama.cpp's default).
+    Tokens typed control or unknown become special tokens and user-defined ones plain added
+    tokens, all matched whole in the raw text before the model sees it, as llama.cpp does when it
+    parses special tokens; BOS / EOS are added where tokenizer.ggml.add_bos_token / add_eos_token
+    say (a 'llama' file that does not say gets BOS, llama.cpp's default).
     """
     kind = gguf_field(reader, "tokenizer.ggml.model")
     build = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}.get(kind)
@@ -68,8 +68,8 @@ def tokenizer_from_gguf(reader, source: str = "GGUF") -> Tokenizer:
     tokens = gguf_required(reader, "tokenizer.ggml.tokens", source)
     types = gguf_field(reader, "tokenizer.ggml.token_type") or [GGUF_NORMAL] * len(tokens)
     tok = build(reader, tokens, types, source)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, types) if kind == GGUF_CONTROL])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, kind
+                            in zip(tokens, types) if kind in (GGUF_CONTROL, GGUF_UNKNOWN)])
     tok.add_tokens([AddedToken(t, normalized=False)
                     for t, kind in zip(tokens, types) if kind == GGUF_USER_DEFINED])
     tok.post_processor = _bos_eos(reader, tokens, add_bos_default=kind == "llama")

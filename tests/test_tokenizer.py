@@ -156,6 +156,7 @@ def test_toy_spm_gguf_space_prefix(toy_gguf):
     assert ours.encode("  lead").tokens == ["<s>", "▁▁", "▁", "l", "e", "a", "d"]
     assert ours.decode(ours.encode("  lead").ids) == "  lead"
     assert ours.encode("a<tool>the</s>").tokens == ["<s>", "▁a", "<tool>", "▁the", "</s>"]
+    assert ours.encode("<unk>a").tokens == ["<s>", "<unk>", "▁a"]
     assert ours.encode("<s>", add_special_tokens=False).tokens == ["<s>"]
 
 
