@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer, models
 
 import jaxkv
-from jaxkv import convert
+from jaxkv.models import llama
 from jaxkv.checkpoint import MANIFEST, SAVED_CONFIG
 from jaxkv.convert import CheckpointError
 from tests.conftest import CONFIGS, random_tokens
@@ -245,7 +245,7 @@ def write_tiny_gguf(path, omit=(), edit=None):
         if key not in omit:
             getattr(writer, f"add_{key}")(value)
     shapes = {}
-    for src in convert.llama_map(config, convert.GGUF_LLAMA_NAMES).values():
+    for src in llama.gguf_map(config).values():
         for part in getattr(src, "parts", (src,)):
             for i in range(config.n_layers):
                 if part.name is not None:

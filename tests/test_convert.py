@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxkv import convert
+from jaxkv.models import gpt2, llama
 from jaxkv.params import init_params
 from tests.conftest import CONFIGS
 
@@ -35,8 +36,7 @@ def test_name_maps_cover_every_parameter(name):
     skeleton = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     paths = {convert.split_layer(convert.path_name(p))[0]
              for p, _ in jax.tree_util.tree_flatten_with_path(skeleton)[0]}
-    maps = ([convert.gpt2_map(config)] if config.position == "learned" else
-            [convert.llama_map(config, convert.HF_LLAMA_NAMES),
-             convert.llama_map(config, convert.GGUF_LLAMA_NAMES, unpermute_qk=True)])
+    maps = ([gpt2.name_map(config)] if config.position == "learned" else
+            [llama.hf_map(config), llama.gguf_map(config)])
     for name_map in maps:
         assert paths <= set(name_map)
