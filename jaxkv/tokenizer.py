@@ -102,12 +102,13 @@ def _sentencepiece_bpe(reader, tokens, types, source) -> Tokenizer:
                                merges=sentencepiece_merges(tokens, scores, types),
                                unk_token=None if unk is None else tokens[unk], fuse_unk=True,
                                byte_fallback=True))
-    space_prefix = gguf_field(reader, "tokenizer.ggml.add_space_prefix", True)
+    prefix = gguf_field(reader, "tokenizer.ggml.add_space_prefix", True)
     # the normalizer runs on each stretch of text between added tokens
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPIECE_SPACE)] * space_prefix
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend(SPIECE_SPACE)] if prefix else [])
                                           + [normalizers.Replace(" ", SPIECE_SPACE)])
     tok.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(),
-                                     decoders.Fuse()] + [decoders.Strip(" ", 1, 0)] * space_prefix)
+                                     decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tok
 
 
