@@ -42,16 +42,15 @@ def residual(config, x_BTD, y_BTD, out_norm):
     return x_BTD + y_BTD
 
 
-def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, prefix=None,
-                   kv_len=None, local=False):
+def self_attention(config, b, x_BTD, pos_BT, mask_BTS=None, bias_BNTS=None, kv=None,
+                   prefix=None, local=False):
     """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)); local: a window layer (its RoPE).
 
-    kv is None when the keys are this call's tokens (uncached), or (k_BKSH, v_BKSH, slot_BT):
-    this call's tokens read the cache as it was (their own slots hidden; only slots below
-    kv_len, when given) and each other (mask_BTS at their slots) in one softmax; then their
-    keys and values are written at slot_BT. prefix, optional, is (k_PKSH, v_PKSH,
-    mask_PS, prefix_len): keys shared by groups of B / P rows (a common prompt), attended once
-    per group and merged by log-sum-exp.
+    kv is None when the keys are this call's tokens (uncached: mask_BTS over them), or
+    (k_BKSH, v_BKSH, view): this call's tokens read the cache as it was and each other, as the
+    cache.View says, in one softmax; then their keys and values are written at view.slot_BT.
+    prefix, optional, is (k_PKSH, v_PKSH, mask_PS, prefix_len): keys shared by groups of B / P
+    rows (a common prompt), attended once per group and merged by log-sum-exp.
     """
     h_BTD = norm(x_BTD, b.attn_norm, config.norm, config.norm_eps)
     q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, h_BTD, pos_BT, local)
@@ -60,35 +59,21 @@ def self_attention(config, b, x_BTD, pos_BT, mask_BTS, bias_BNTS=None, kv=None, 
     if kv is None:
         o_BTNH = attend(q_BTNH, k_BKTH, v_BKTH, mask_BTS, scale, bias_BNTS, softcap=cap)
         return residual(config, x_BTD, project_out(b, o_BTNH), b.attn_out_norm), (k_BKTH, v_BKTH)
-    k_cache, v_cache, slot_BT = kv
-    own = (k_BKTH, v_BKTH, at_slots(mask_BTS, slot_BT),
-           None if bias_BNTS is None else at_slots(bias_BNTS, slot_BT[:, None]))
-    out_BTNH, lse_BTN = attend_parts(q_BTNH, k_cache, v_cache, hide_slots(mask_BTS, slot_BT),
-                                     scale, bias_BNTS, kv_len, own, cap)
+    k_cache, v_cache, view = kv
+    own = (k_BKTH, v_BKTH, view.own_mask_BTT,
+           None if bias_BNTS is None else cache_lib.at_slots(bias_BNTS, view.slot_BT[:, None]))
+    out_BTNH, lse_BTN = attend_parts(q_BTNH, k_cache, v_cache, view.cache_mask_BTS, scale,
+                                     bias_BNTS, view.kv_len, own, cap)
     if prefix is not None:
         shared = attend_shared(q_BTNH, *prefix[:3], scale, prefix[3], cap)
         out_BTNH, _ = merge_parts(out_BTNH, lse_BTN, *shared)
     # The writes come after the reads and depend on them (+ 0 * output), which lets XLA update
     # the cache in place; written while a read of it is pending, XLA copies the whole cache.
     after_BT11 = 0 * out_BTNH[:, :, :1, :1]
-    k_BKSH = cache_lib.write(k_cache, k_BTKH + after_BT11, slot_BT)
-    v_BKSH = cache_lib.write(v_cache, v_BTKH + after_BT11, slot_BT)
+    k_BKSH = cache_lib.write(k_cache, k_BTKH + after_BT11, view.slot_BT)
+    v_BKSH = cache_lib.write(v_cache, v_BTKH + after_BT11, view.slot_BT)
     out_BTD = project_out(b, out_BTNH.astype(x_BTD.dtype))
     return residual(config, x_BTD, out_BTD, b.attn_out_norm), (k_BKSH, v_BKSH)
-
-
-def hide_slots(mask_BTS, slot_BT):
-    """mask_BTS without the slots this call writes (slot_BT): the cache as it was holds no
-    keys of these tokens."""
-    written_BS = (jnp.arange(mask_BTS.shape[2]) == slot_BT[:, :, None]).any(1)
-    return mask_BTS & ~written_BS[:, None, :]
-
-
-def at_slots(x_BXTS, slot_BT):
-    """x_BXTS (a mask or bias, X any middle axes) at the slots this call's tokens write:
-    [..., T, T]; False / 0 where a slot is outside [0, S) (such a token is not stored)."""
-    index = jnp.broadcast_to(slot_BT[..., None, :], (*x_BXTS.shape[:-1], slot_BT.shape[-1]))
-    return jnp.take_along_axis(x_BXTS, index, axis=-1, mode="fill", fill_value=0)
 
 
 def cross_attention(config, c, x_BTD, k_BKMH, v_BKMH, mask_BM):

@@ -1,8 +1,11 @@
-"""The KV cache: a preallocated fixed-shape pytree, one slot per position of each row.
+"""The KV cache: a preallocated fixed-shape pytree. A global layer keeps one slot per position of
+each row; a sliding-window layer keeps a ring of the last R = min(window, capacity) positions.
 
 Encoder-decoder models also keep the cross-attention keys and values here: they depend on the
 encoder output alone, so they are computed once, when the cache is made, and only read after.
 """
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,31 +16,44 @@ from jaxkv import checks
 
 @struct.dataclass
 class KVCache:
-    """Per layer (separate arrays: see params.py), heads before slots, as attention reads them."""
+    """Per layer (separate arrays: see params.py), heads before slots, as attention reads them.
 
-    k: tuple  # L x [B, K, S, H]; slot s of row b holds the key of row b's position s
+    A global layer's slot s holds row b's position s. A window layer (config.window_layers) holds
+    position p at slot p mod R, R = ring_size(config, capacity); ring_pos says which position each
+    ring slot holds, so the ring costs R slots however long the row grows.
+    """
+
+    k: tuple  # L x [B, K, S, H]; S = capacity in a global layer, R in a window layer
     v: tuple  # L x [B, K, S, H]
+    ring_pos: jax.Array | None = None  # [B, R] int32: position held by each ring slot, -1: none
     cross_k: tuple | None = None  # L x [B, K, M, H]; encoder-decoder models only
     cross_v: tuple | None = None  # L x [B, K, M, H]
     cross_mask: jax.Array | None = None  # [B, M] bool; False at encoder padding
+    capacity: int = struct.field(pytree_node=False, default=None)  # positions a row may hold
 
     @property
     def batch_size(self) -> int:
         return self.k[0].shape[0]
 
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[2]
+
+def ring_size(config, capacity: int) -> int | None:
+    """Slots of a window layer's ring: the window, or the capacity if that is smaller."""
+    return None if config.sliding_window is None else min(config.sliding_window, capacity)
+
+
+def slots(config, layer: int, capacity: int) -> int:
+    """Slots of one layer's cache."""
+    return ring_size(config, capacity) if layer in config.window_layers else capacity
 
 
 def init_cache(params, batch_size: int, max_len: int, dtype=None, *, encoder_inputs=None,
                encoder_lengths=None) -> KVCache:
     """An empty cache for batch_size rows of up to max_len positions (dtype: params' by default).
 
-    It stores the K kv heads of grouped-query attention, not the N query heads. For an
-    encoder-decoder model, encoder_inputs ([B, M] tokens with optional encoder_lengths [B], or
-    [B, n_mels, frames] log-mel features) are encoded here and the cross-attention K/V of every
-    layer are computed and stored, once.
+    It stores the K kv heads of grouped-query attention, not the N query heads; sliding-window
+    layers keep only their window (a ring). For an encoder-decoder model, encoder_inputs ([B, M]
+    tokens with optional encoder_lengths [B], or [B, n_mels, frames] log-mel features) are
+    encoded here and the cross-attention K/V of every layer are computed and stored, once.
     """
     from jaxkv import encoder
 
@@ -48,9 +64,12 @@ def init_cache(params, batch_size: int, max_len: int, dtype=None, *, encoder_inp
         raise ValueError(f"init_cache: max_len={max_len} exceeds the model's {c.max_seq_len} "
                          "learned positions")
     dtype = checks.float_dtype(dtype or params.dtype, "init_cache: dtype")
-    shape = (batch_size, c.n_kv_heads, max_len, c.head_dim)
-    k, v = ([jnp.zeros(shape, dtype) for _ in range(c.n_layers)] for _ in "kv")
-    cache = KVCache(k=tuple(k), v=tuple(v))
+    shapes = [(batch_size, c.n_kv_heads, slots(c, i, max_len), c.head_dim)
+              for i in range(c.n_layers)]
+    k, v = (tuple(jnp.zeros(shape, dtype) for shape in shapes) for _ in "kv")
+    R = ring_size(c, max_len)
+    ring_pos = None if R is None else jnp.full((batch_size, R), -1, jnp.int32)
+    cache = KVCache(k=k, v=v, ring_pos=ring_pos, capacity=max_len)
     if c.is_encoder_decoder or encoder_inputs is not None:  # (errors name what is missing)
         cross_k, cross_v, mask_BM = encoder.cross_cache(params, encoder_inputs, encoder_lengths,
                                                         batch_size)
@@ -58,6 +77,51 @@ def init_cache(params, batch_size: int, max_len: int, dtype=None, *, encoder_inp
                               cross_v=tuple(v.astype(dtype) for v in cross_v),
                               cross_mask=mask_BM)
     return cache
+
+
+class View(NamedTuple):
+    """How one call's T tokens read and write one kind of layer's cache (S slots)."""
+
+    slot_BT: jax.Array  # where each token's K/V go; a slot outside [0, S) is not stored
+    cache_mask_BTS: jax.Array  # which slots of the cache as it was (before the writes) it reads
+    own_mask_BTT: jax.Array  # which of this call's tokens it reads
+    kv_len: jax.Array | None  # no token reads a slot >= kv_len (attention skips them)
+
+
+def linear_view(mask_BTS, slot_BT, kv_len=None) -> View:
+    """A global layer's: mask_BTS over its slots; the slots this call writes hold none of its
+    tokens yet, so they are read only through the call's own keys."""
+    written_BS = (jnp.arange(mask_BTS.shape[2]) == slot_BT[:, :, None]).any(1)
+    return View(slot_BT, mask_BTS & ~written_BS[:, None, :], at_slots(mask_BTS, slot_BT), kv_len)
+
+
+def ring_view(ring_pos_BR, window: int, mask_BTS, pos_BT, slot_BT, kv_len=None):
+    """A window layer's (View, ring_pos after the writes): the token at position p goes to ring
+    slot p mod R (if its global slot is in [0, S)), and reads the positions mask_BTS allows that
+    are > p - window. A ring slot holding a position this call writes again is not read."""
+    B, R = ring_pos_BR.shape
+    S = mask_BTS.shape[2]
+    stored_BT = (slot_BT >= 0) & (slot_BT < S)
+    ring_slot_BT = jnp.where(stored_BT, pos_BT % R, R)
+    held_BTR = jnp.broadcast_to(jnp.where(ring_pos_BR >= 0, ring_pos_BR, S)[:, None, :],
+                                (B, pos_BT.shape[1], R))
+    allowed_BTR = jnp.take_along_axis(mask_BTS, held_BTR, axis=2, mode="fill", fill_value=False)
+    rewritten_BR = ((ring_pos_BR[:, None, :] == pos_BT[:, :, None]) & stored_BT[:, :, None]).any(1)
+    near = lambda key_pos_BX: key_pos_BX[:, None, :] > pos_BT[:, :, None] - window  # noqa: E731
+    cache_mask_BTR = allowed_BTR & near(ring_pos_BR) & ~rewritten_BR[:, None, :]
+    own_mask_BTT = at_slots(mask_BTS, slot_BT) & near(pos_BT)
+    rows_B1 = jnp.arange(B)[:, None]
+    ring_pos_BR = ring_pos_BR.at[rows_B1, ring_slot_BT].set(pos_BT, mode="drop")
+    view = View(ring_slot_BT, cache_mask_BTR, own_mask_BTT,
+                None if kv_len is None else jnp.minimum(kv_len, R))
+    return view, ring_pos_BR
+
+
+def at_slots(x_BXTS, slot_BT):
+    """x_BXTS (a mask or bias, X any middle axes) at the slots this call's tokens write:
+    [..., T, T]; False / 0 where a slot is outside [0, S) (such a token is not stored)."""
+    index = jnp.broadcast_to(slot_BT[..., None, :], (*x_BXTS.shape[:-1], slot_BT.shape[-1]))
+    return jnp.take_along_axis(x_BXTS, index, axis=-1, mode="fill", fill_value=0)
 
 
 def write(cache_BKSH, new_BTKH, slot_BT):

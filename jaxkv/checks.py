@@ -157,16 +157,28 @@ def cache_layout(config, cache, name: str = "cache"):
     if not isinstance(cache, KVCache):
         raise TypeError(f"{name} must be a jaxkv.KVCache (from jaxkv.init_cache), got "
                         f"{type(cache).__name__}")
+    from jaxkv.cache import ring_size, slots
+
     B, S = cache.batch_size, cache.capacity
-    expected = (B, config.n_kv_heads, S, config.head_dim)
+    if not isinstance(S, int) or S < 1:
+        raise ValueError(f"{name}.capacity is {S!r}; make the cache with jaxkv.init_cache")
+    expected = [(B, config.n_kv_heads, slots(config, i, S), config.head_dim)
+                for i in range(config.n_layers)]
     _layers(config, cache, ("k", "v"), expected, name, "[batch, kv heads, slots, head dim]")
+    R = ring_size(config, S)
+    ring = None if cache.ring_pos is None else tuple(cache.ring_pos.shape)
+    if ring != (None if R is None else (B, R)):
+        raise ValueError(f"{name}.ring_pos has shape {ring}; this model needs "
+                         f"{None if R is None else (B, R)} (the position each slot of a window "
+                         "layer's ring holds): make the cache with jaxkv.init_cache")
     if config.is_encoder_decoder:
         if cache.cross_k is None or cache.cross_v is None or cache.cross_mask is None:
             raise ValueError(f"{name} has no cross-attention K/V, but this is an "
                              "encoder-decoder model: make it with init_cache(params, ..., "
                              "encoder_inputs=...)")
         M = cache.cross_mask.shape[-1]
-        _layers(config, cache, ("cross_k", "cross_v"), expected[:2] + (M, config.head_dim), name,
+        cross = [(B, config.n_kv_heads, M, config.head_dim)] * config.n_layers
+        _layers(config, cache, ("cross_k", "cross_v"), cross, name,
                 "[batch, kv heads, encoder positions, head dim]")
         if cache.cross_mask.shape != (B, M):
             raise ValueError(f"{name}.cross_mask has shape {cache.cross_mask.shape}, expected "
@@ -181,17 +193,39 @@ def _layers(config, cache, fields, expected, name, layout):
         if len(arrays) != config.n_layers:
             raise ValueError(f"{name}.{field} has {len(arrays)} layers; the model has "
                              f"{config.n_layers}")
-        for layer, x in enumerate(arrays):
-            if tuple(x.shape) != expected:
+        for layer, (x, shape) in enumerate(zip(arrays, expected)):
+            if tuple(x.shape) != shape:
                 raise ValueError(f"{name}.{field}[{layer}] has shape {tuple(x.shape)}; this "
-                                 f"model needs {expected} {layout}")
+                                 f"model needs {shape} {layout}")
             if not jnp.issubdtype(x.dtype, jnp.floating):
                 raise TypeError(f"{name}.{field}[{layer}] has dtype {x.dtype}; expected a float "
                                 "dtype (float32, bfloat16 or float16)")
 
 
+def fits_ring(T: int, ring_slots: int):
+    """One call writes at most a ring's worth of tokens per row (more would overwrite each other
+    within the call)."""
+    if T > ring_slots:
+        raise ValueError(f"extend: {T} tokens in one call, but the sliding-window layers keep a "
+                         f"ring of {ring_slots} slots; pass at most {ring_slots} tokens per call "
+                         "(prefill splits longer prompts itself)")
+
+
+def ring_holds(ring_pos_BR, first_B, active_B, window: int):
+    """A window layer's ring must hold the window's positions before each row's first token of
+    this call (first_B, rows where active_B): a row that goes back more than one position once
+    past its window finds newer positions in their slots."""
+    need_B = jnp.minimum(first_B, window - 1)
+    near_BR = ((ring_pos_BR < first_B[:, None]) &
+               (ring_pos_BR > jnp.maximum(first_B[:, None] - window, -1)))
+    missing_B = jnp.where(active_B, need_B - near_BR.sum(1), 0)
+    in_range(missing_B, "positions missing from the window before this call's first token, row",
+             0, 1, f"(a row that passed its sliding window of {window} positions may go back at "
+             "most one position; prefill it again from an earlier position)")
+
+
 def no_window(config, what: str):
-    """Sliding-window layers read a linear cache (slot s holds position s) only, for now."""
+    """MultiDecode reads linear caches (slot s holds position s) only, for now."""
     if config.sliding_window is not None:
         raise ValueError(f"{what} is not supported on sliding-window models yet (this model's "
                          f"layers {list(config.window_layers)} read a window of "

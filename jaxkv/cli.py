@@ -73,11 +73,14 @@ def load_model(path: str):
 
 
 def kv_cache_bytes(config, batch: int, capacity: int, dtype) -> int:
-    """Bytes of every layer's K and V: 2 x L x B x K x S x H x itemsize."""
+    """Bytes of every layer's K and V: 2 x B x K x H x itemsize x the slots of each layer
+    (capacity, or the window in a sliding-window layer)."""
     import numpy as np
 
-    return (2 * config.n_layers * batch * config.n_kv_heads * capacity * config.head_dim
-            * np.dtype(dtype).itemsize)
+    from jaxkv.cache import slots
+
+    total = sum(slots(config, i, capacity) for i in range(config.n_layers))
+    return 2 * batch * config.n_kv_heads * total * config.head_dim * np.dtype(dtype).itemsize
 
 
 def free_memory() -> int | None:

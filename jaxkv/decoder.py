@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import blocks, checks, encoder
+from jaxkv import cache as cache_lib
 from jaxkv.attention import causal_mask, relative_bias
 from jaxkv.cache import KVCache
 from jaxkv.layers import dense, norm
@@ -48,35 +49,34 @@ def self_bias(params: Params, pos_BT, key_pos_BS):
                          params.config.relative_max_distance)
 
 
-def window_mask(config, mask_BTS, pos_BT, key_pos_BS):
-    """mask_BTS narrowed to the sliding window: a query at p reads keys at positions
-    > p - sliding_window (key_pos_BS: the position each key slot holds)."""
-    return mask_BTS & (key_pos_BS[:, None, :] > pos_BT[:, :, None] - config.sliding_window)
+def window_mask(config, mask_BTS, pos_BT):
+    """An uncached mask_BTS (key s at position s) narrowed to the sliding window: a query at p
+    reads keys at positions > p - sliding_window."""
+    key_pos_S = jnp.arange(mask_BTS.shape[2])
+    return mask_BTS & (key_pos_S[None, None, :] > pos_BT[:, :, None] - config.sliding_window)
 
 
 def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cross=None,
-           prefix=None, kv_len=None, key_pos_BS=None):
+           prefix=None):
     """All decoder layers (an unrolled loop: see params.py) -> (x_BTD, (k, v)): per layer
     [B, K, S, H] keys and values after this call's writes.
 
-    Layers in config.window_layers read mask_BTS narrowed to the sliding window, which needs
-    key_pos_BS, the position each key slot holds.
-
-    self_kv: None (uncached: keys are this call's tokens) or (k, v per layer, slot_BT).
+    self_kv: None (uncached: keys are this call's tokens, read through mask_BTS, narrowed to the
+    window in config.window_layers) or (k, v per layer, global View, window View): see cache.View.
     cross: None or (k, v per layer [B, K, M, H], mask_BM), the encoder's precomputed keys/values.
     prefix: None or (k, v per layer [P, K, S', H], mask_PS', kv_len'): keys shared by groups
-    of rows. kv_len: no token reads a slot >= kv_len of its own cache (attention skips them).
+    of rows.
     """
     c = params.config
-    local_BTS = c.window_layers and window_mask(c, mask_BTS, pos_BT, key_pos_BS)
+    local_BTS = c.window_layers and self_kv is None and window_mask(c, mask_BTS, pos_BT)
     new_k, new_v = [], []
     for layer, b in enumerate(params.blocks):
-        kv = None if self_kv is None else (self_kv[0][layer], self_kv[1][layer], self_kv[2])
-        shared = None if prefix is None else (prefix[0][layer], prefix[1][layer], *prefix[2:])
         local = layer in c.window_layers
+        kv = None if self_kv is None else (self_kv[0][layer], self_kv[1][layer],
+                                           self_kv[3 if local else 2])
+        shared = None if prefix is None else (prefix[0][layer], prefix[1][layer], *prefix[2:])
         x_BTD, (k_BKSH, v_BKSH) = blocks.self_attention(
-            c, b, x_BTD, pos_BT, local_BTS if local else mask_BTS, bias_BNTS, kv, shared, kv_len,
-            local)
+            c, b, x_BTD, pos_BT, local_BTS if local else mask_BTS, bias_BNTS, kv, shared, local)
         if cross is not None:
             x_BTD = blocks.cross_attention(c, params.cross[layer], x_BTD, cross[0][layer],
                                            cross[1][layer], cross[2])
@@ -101,8 +101,7 @@ def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None):
     pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
     x_BTD = embed(params, tokens_BT, pos_BT)
     bias = self_bias(params, pos_BT, pos_BT)
-    x_BTD, _ = layers(params, x_BTD, pos_BT, causal_mask(pos_BT, T), bias, cross=cross,
-                      key_pos_BS=pos_BT)
+    x_BTD, _ = layers(params, x_BTD, pos_BT, causal_mask(pos_BT, T), bias, cross=cross)
     return logits(params, x_BTD)
 
 
@@ -133,6 +132,10 @@ def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
     blocks below it, so a step costs what is filled, not the capacity.
     prefix: optional (prefix cache with P rows, mask_PS of its valid slots, their kv_len): keys
     every group of B / P consecutive rows also reads, stored once (see jaxkv.multidecode).
+    Window layers (config.window_layers) keep a token at slot pos mod R of their ring (if its
+    slot_BT is stored at all) and read the positions mask_BTS allows (slot s = position s) that
+    are inside the window. They assume rows are written in position order: at most R tokens
+    per call, and a row past its window may go back one position, not more (both are errors).
     """
     tokens_BT = checks.token_ids(params.config, tokens_BT, "tokens", 2)
     pos_BT = checks.int_array(pos_BT, "pos", 2, (0, checks.INT32_MAX), "is not a position")
@@ -144,30 +147,57 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
                 prefix=None, kv_len=None):
     """extend for arguments whose values the caller has checked (the cache's layout is checked
     here: it is static)."""
-    checks.cache_layout(params.config, cache)
+    c = params.config
+    checks.cache_layout(c, cache)
     if prefix is not None:
-        checks.cache_layout(params.config, prefix[0], "prefix cache")
-        checks.no_window(params.config, "a shared prefix (MultiDecode)")
+        checks.cache_layout(c, prefix[0], "prefix cache")
+        checks.no_window(c, "a shared prefix (MultiDecode)")
     params, x_BTD = tie_weights(params, embed(params, tokens_BT, pos_BT))
-    slots_BS = jnp.arange(cache.capacity)[None, :]  # a linear cache: slot s holds position s
+    slots_BS = jnp.arange(cache.capacity)[None, :]  # a global layer: slot s holds position s
     bias = self_bias(params, pos_BT, slots_BS)
+    views = [cache_lib.linear_view(mask_BTS, slot_BT, kv_len), None]
+    ring_pos = cache.ring_pos
+    if ring_pos is not None:
+        checks.fits_ring(tokens_BT.shape[1], ring_pos.shape[1])
+        checks.ring_holds(ring_pos, pos_BT[:, 0], slot_BT[:, 0] < cache.capacity,
+                          c.sliding_window)
+        views[1], ring_pos = cache_lib.ring_view(ring_pos, c.sliding_window, mask_BTS, pos_BT,
+                                                 slot_BT, kv_len)
     cross = None if cache.cross_k is None else (cache.cross_k, cache.cross_v, cache.cross_mask)
     shared = None if prefix is None else (prefix[0].k, prefix[0].v, *prefix[1:])
-    x_BTD, (k, v) = layers(params, x_BTD, pos_BT, mask_BTS, bias, (cache.k, cache.v, slot_BT),
-                           cross, shared, kv_len, key_pos_BS=slots_BS)
-    return x_BTD, cache.replace(k=k, v=v)
+    x_BTD, (k, v) = layers(params, x_BTD, pos_BT, None, bias, (cache.k, cache.v, *views), cross,
+                           shared)
+    return x_BTD, cache.replace(k=k, v=v, ring_pos=ring_pos)
 
 
 def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B):
-    """prefill without validation or bucketing (for use inside compiled code)."""
+    """prefill without validation or bucketing (for use inside compiled code). Padding is not
+    stored; a prompt longer than a window layer's ring is run in chunks of the ring's size."""
     count_trace("prefill")
     B, T = tokens_BT.shape
-    pos_BT = start_B[:, None] + jnp.arange(T)[None, :]
-    mask_BTS = causal_mask(pos_BT, cache.capacity)
-    x_BTD, cache = cached_pass(params, cache, tokens_BT, pos_BT, pos_BT, mask_BTS,
-                               kv_len=jnp.max(start_B + lengths_B))
-    last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
-    return logits(params, last_B1D)[:, 0], cache
+    C = min(T, cache.ring_pos.shape[1]) if cache.ring_pos is not None else T
+    n = -(-T // C)
+    tokens_NBC = jnp.pad(tokens_BT, ((0, 0), (0, n * C - T))).reshape(B, n, C).swapaxes(0, 1)
+
+    def chunk(carry, i_tokens):
+        cache, last_BD = carry
+        i, tokens_BC = i_tokens
+        t_BC = i * C + jnp.arange(C)[None, :]  # index in the prompt
+        pos_BC = start_B[:, None] + t_BC
+        slot_BC = jnp.where(t_BC < lengths_B[:, None], pos_BC, cache.capacity)
+        kv_len = jnp.max(start_B + jnp.minimum(lengths_B, (i + 1) * C))
+        x_BCD, cache = cached_pass(params, cache, tokens_BC, pos_BC, slot_BC,
+                                   causal_mask(pos_BC, cache.capacity), kv_len=kv_len)
+        end_B = lengths_B - 1 - i * C  # the last token's index in this chunk
+        x_BD = jnp.take_along_axis(x_BCD, jnp.clip(end_B, 0, C - 1)[:, None, None], axis=1)[:, 0]
+        return (cache, jnp.where(((end_B >= 0) & (end_B < C))[:, None], x_BD, last_BD)), None
+
+    first = (cache, jnp.zeros((B, params.config.d_model), params.embed.dtype))
+    if n == 1:
+        (cache, last_BD), _ = chunk(first, (0, tokens_NBC[0]))
+    else:
+        (cache, last_BD), _ = jax.lax.scan(chunk, first, (jnp.arange(n), tokens_NBC))
+    return logits(params, last_BD[:, None])[:, 0], cache
 
 
 def prefill(params: Params, cache: KVCache, tokens, lengths=None, start=None):

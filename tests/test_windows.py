@@ -41,11 +41,87 @@ def test_config_errors(kwargs, match):
         jaxkv.Config.llama(**TINY, **kwargs)
 
 
-def test_multidecode_says_windows_are_not_supported():
+def windowed(layers=(0, 2)):
+    return jaxkv.init_params(jaxkv.Config.llama(sliding_window=W, window_layers=layers, **TINY),
+                             jax.random.key(0))
+
+
+def test_window_layers_keep_only_the_window():
+    params = windowed()
+    cache = jaxkv.init_cache(params, 2, 64)
+    assert [k.shape[2] for k in cache.k] == [W, 64, W]
+    assert cache.ring_pos.shape == (2, W)
+    assert [k.shape[2] for k in jaxkv.init_cache(params, 2, 5).k] == [5, 5, 5]
+
+
+def test_gemma3_270m_cache_is_a_fifth_of_full_size():
+    """n_global * C + n_local * W slots: 3 * 8192 + 15 * 512 of 18 * 8192 (no arrays made)."""
+    config = jaxkv.Config.llama(vocab_size=64, d_model=640, n_layers=18, n_heads=4, n_kv_heads=1,
+                                head_dim=256, d_ff=64, max_seq_len=8192, sliding_window=512,
+                                window_layers=[i for i in range(18) if (i + 1) % 6])
+    params = jax.eval_shape(lambda: jaxkv.init_params(config, jax.random.key(0)))
+    cache = jax.eval_shape(lambda: jaxkv.init_cache(params, 1, 8192))
+    slots = sum(k.shape[2] for k in cache.k)
+    assert slots == 3 * 8192 + 15 * 512
+    assert slots / (18 * 8192) == pytest.approx(0.22, abs=0.005)
+
+
+def test_ragged_prefill_in_pieces_then_decode_equals_forward():
+    """Prompts of 9 and 21 tokens prefilled in two calls (the second longer than the ring, so
+    prefill splits it), then decoded one token at a time, three windows past the start."""
+    params = windowed()
+    tokens_BT = random_tokens(5, (2, 30))
+    ref_BTV = jaxkv.forward(params, tokens_BT)
+    lengths_B = np.array([9, 21])
+    cache = jaxkv.init_cache(params, 2, 32)
+    _, cache = jaxkv.prefill(params, cache, tokens_BT[:, :7])
+    logits_BV, cache = jaxkv.prefill(params, cache, tokens_BT[:, 7:21], lengths_B - 7,
+                                     np.array([7, 7]))
+    np.testing.assert_allclose(logits_BV, ref_BTV[np.arange(2), lengths_B - 1], atol=1e-5)
+    step = jax.jit(jaxkv.decode_step)
+    for t in range(9):
+        pos_B = lengths_B + t
+        logits_BV, cache = step(params, cache, tokens_BT[np.arange(2), pos_B], pos_B)
+        np.testing.assert_allclose(logits_BV, ref_BTV[np.arange(2), pos_B], atol=1e-5)
+
+
+def test_a_row_may_go_back_one_position_past_the_window_and_no_more():
+    params = windowed()
+    tokens_BT = random_tokens(6, (1, 21))
+    cache = jaxkv.init_cache(params, 1, 32)
+    _, cache = jaxkv.prefill(params, cache, tokens_BT[:, :20])
+    _, cache = jaxkv.decode_step(params, cache, tokens_BT[:, 20] + 1, np.array([20]))
+    logits_BV, cache = jaxkv.decode_step(params, cache, tokens_BT[:, 20], np.array([20]))
+    np.testing.assert_allclose(logits_BV, jaxkv.forward(params, tokens_BT)[:, 20], atol=1e-5)
+    with pytest.raises(ValueError, match=r"missing from the window .*row\[0\] = 2 .*may go back at "
+                                         r"most one position"):
+        jaxkv.decode_step(params, cache, tokens_BT[:, 0], np.array([18]))
+
+
+def test_ring_errors():
+    params = windowed()
+    cache = jaxkv.init_cache(params, 1, 32)
+    tokens_BT = random_tokens(7, (1, W + 1))
+    pos_BT = jax.numpy.arange(W + 1)[None]
+    with pytest.raises(ValueError, match=f"9 tokens in one call, .* a ring of {W} slots"):
+        jaxkv.extend(params, cache, tokens_BT, pos_BT, pos_BT, pos_BT[..., None] >= pos_BT[:, None])
+    linear = jaxkv.init_cache(windowed(()).replace(config=jaxkv.Config.llama(**TINY)), 1, 32)
+    with pytest.raises(ValueError, match=r"ring_pos has shape None; this model needs \(1, 8\)"):
+        jaxkv.decode_step(params, linear.replace(k=cache.k, v=cache.v), tokens_BT[:, 0],
+                          np.array([0]))
+
+
+@pytest.mark.parametrize("call", [
+    lambda p: jaxkv.forest_logits(p, tokens=[1, 2], parents=[-1, 0], prefix=[3, 4]),
+    lambda p: jaxkv.generate_branches(p, [3, 4], 2, 4),
+    lambda p: jaxkv.beam_search(p, [3, 4], 2, 4),
+    lambda p: jaxkv.score_continuations(p, [3, 4], [[1], [2, 5]]),
+], ids=["forest", "branches", "beam search", "scoring"])
+def test_multidecode_says_windows_are_not_supported(call):
     params = jaxkv.init_params(jaxkv.Config.llama(sliding_window=W, **TINY), jax.random.key(0))
     with pytest.raises(ValueError, match=r"MultiDecode .* is not supported on sliding-window "
                                          r"models yet .*a window of 8 positions"):
-        jaxkv.forest_logits(params, tokens=[1, 2], parents=[-1, 0], prefix=[3, 4])
+        call(params)
 
 
 def hf_windowed():
