@@ -170,6 +170,23 @@ def test_gemma3_without_a_window_has_none(ggufs, tmp_path):
     assert config.logit_softcap == 30.0
 
 
+def test_gemma3_linear_rope_scaling_is_read_for_the_global_layers(ggufs, tmp_path):
+    """Gemma 3 4B and larger: llama.cpp's converter writes rope.scaling.type linear (factor 8),
+    which llama.cpp applies to the global layers only (transformers' GGUF loader reads no
+    scaling for gemma3)."""
+    import gguf
+
+    model, _ = ggufs["gemma3"]
+
+    def edit(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(8.0)
+
+    config = jaxkv.load(write_gguf(model, "GEMMA3", tmp_path / "g.gguf", edit)).config
+    assert config.rope(local=False) == (1e6, ("linear", 8.0))
+    assert config.rope(local=True) == (1e4, ())
+
+
 def test_gemma2_soft_caps_come_from_the_file(ggufs, tmp_path):
     model, _ = ggufs["gemma2"]
 

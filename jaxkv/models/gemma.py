@@ -30,6 +30,10 @@ GEMMA3_DEFAULTS = {**GEMMA2_DEFAULTS, "max_position_embeddings": 131072, "rope_t
                    "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
                    "final_logit_softcapping": None, "attn_logit_softcapping": None}
 
+# What every Gemma is, whichever file it comes from: gated GELU-tanh, embeddings scaled by
+# sqrt(width), each sublayer's output normed too
+GEMMA_FIELDS = dict(activation="gelu_tanh", scale_embeddings=True, post_norms=True)
+
 
 # ---- Hugging Face config.json -----------------------------------------------------------------
 
@@ -90,9 +94,6 @@ def _hf_gemma_config(hf: dict, source: str, pattern: int, **family) -> Config:
         **window({**hf, "layer_types": types}, 0), **GEMMA_FIELDS, **family,
         **special_ids(hf, source, ("bos_token_id", "eos_token_id")))
 
-
-# What every Gemma is, whichever file it comes from
-GEMMA_FIELDS = dict(activation="gelu_tanh", scale_embeddings=True, post_norms=True)
 
 
 # ---- GGUF (llama.cpp's gemma2 / gemma3) -------------------------------------------------------
