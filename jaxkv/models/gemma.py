@@ -107,6 +107,8 @@ GGUF_GEMMA3 = dict(pattern=6, local_rope_theta=10000.0, n_layers_27b=62)
 
 
 def gemma2_gguf_config(reader, source: str) -> Config:
+    """Even layers windowed (gemma2.attention.sliding_window, else 4096); soft-caps from
+    gemma2.attn_logit_softcapping / final_logit_softcapping, else 50 and 30."""
     fields = llama.gguf_decoder_fields(reader, source)
     get = lambda key, default: gguf_arch_field(reader, key, default)  # noqa: E731
     return Config.llama(
