@@ -192,3 +192,13 @@ def assert_save_load_round_trip(params, tmp_path):
     loaded = jaxkv.load(tmp_path / "saved")
     assert loaded.config == params.config
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def finish_gguf(writer, edit=None):
+    """Writes out a gguf.GGUFWriter (header, metadata, tensors) after edit(writer), if given."""
+    if edit is not None:
+        edit(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -19,7 +19,7 @@ import jaxkv
 from jaxkv.models import llama
 from jaxkv.checkpoint import MANIFEST, SAVED_CONFIG
 from jaxkv.convert import CheckpointError
-from tests.conftest import CONFIGS, random_tokens
+from tests.conftest import CONFIGS, finish_gguf, random_tokens
 
 
 def tiny_tokenizer():
@@ -252,12 +252,7 @@ def write_tiny_gguf(path, omit=(), edit=None):
                     shapes[part.name.format(i=i)] = part.shape
     for name, shape in shapes.items():
         writer.add_tensor(name, rng.normal(size=shape).astype(np.float32))
-    if edit is not None:
-        edit(writer)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer, edit)
     return path
 
 

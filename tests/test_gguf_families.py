@@ -16,7 +16,7 @@ import torch
 
 import jaxkv
 from tests.conftest import (HF_TINY, assert_logits_match_hf, assert_ragged_greedy_matches_hf,
-                            random_tokens, save_tiny_models)
+                            finish_gguf, random_tokens, save_tiny_models)
 
 W = 8  # the Gemmas' sliding window: the 40-position tests reach past it
 SMALL = dict(hidden_size=64, intermediate_size=96, max_position_embeddings=128, **HF_TINY)
@@ -78,12 +78,7 @@ def write_gguf(model, arch: str, path, edit=None):
         if arch.startswith("GEMMA") and hf_name.endswith("norm.weight"):
             w = w + 1  # llama.cpp stores Gemma's (1 + w) RMSNorm scale
         writer.add_tensor(name, w)
-    if edit is not None:
-        edit(writer)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer, edit)
     return path
 
 

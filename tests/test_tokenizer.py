@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 import jaxkv
 from jaxkv.locate import default_model
+from tests.conftest import finish_gguf
 
 GGUF = default_model()
 TEXTS = ["Hello, world!", "What is the capital of France?", "  leading spaces\n\nand\ttabs",
@@ -127,10 +128,7 @@ def toy_gguf(tmp_path_factory):
                        (writer.add_block_count, 1), (writer.add_feed_forward_length, 16),
                        (writer.add_head_count, 2), (writer.add_layer_norm_rms_eps, 1e-6)):
         add(value)  # transformers reads a config before the tokenizer
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 
