@@ -14,16 +14,18 @@ from jaxkv.multidecode import (Forest, Prefix, accept, accept_branch, accept_nod
                                build_forest, decode_branches, forest_logits, forest_pass,
                                generate_branches, make_prefix, score_continuations)
 from jaxkv.params import Params, cast, init_params
+from jaxkv.quant import Int8, quantize
 from jaxkv.sampling import SamplingParams, sample, sampling_params
 from jaxkv.tokenizer import apply_chat_template, chat_template, load_tokenizer
 from jaxkv.tracecount import TRACE_COUNTS as trace_counts
 
 __all__ = [
-    "CheckpointError", "Config", "EncoderConfig", "Forest", "KVCache", "OutOfRange", "Params",
-    "Prefix", "SamplingParams", "accept", "accept_branch", "accept_node", "apply_chat_template",
-    "beam_search", "build_forest", "cast", "chat_template", "decode_branches", "decode_step",
-    "default_model", "default_whisper", "encode", "extend", "forest_logits", "forest_pass",
-    "forward", "generate", "generate_branches", "init_cache", "init_params", "load",
-    "load_audio", "load_tokenizer", "log_mel", "make_prefix", "prefill", "sample",
-    "sampling_params", "save", "score_continuations", "set_value_checks", "trace_counts",
+    "CheckpointError", "Config", "EncoderConfig", "Forest", "Int8", "KVCache", "OutOfRange",
+    "Params", "Prefix", "SamplingParams", "accept", "accept_branch", "accept_node",
+    "apply_chat_template", "beam_search", "build_forest", "cast", "chat_template",
+    "decode_branches", "decode_step", "default_model", "default_whisper", "encode", "extend",
+    "forest_logits", "forest_pass", "forward", "generate", "generate_branches", "init_cache",
+    "init_params", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix", "prefill",
+    "quantize", "sample", "sampling_params", "save", "score_continuations", "set_value_checks",
+    "trace_counts",
 ]

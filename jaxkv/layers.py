@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import quant
 from jaxkv.config import Config
 from jaxkv.params import Norm
 
@@ -82,6 +83,8 @@ def dense(x_BTI, w_OI, b_O=None, dtype=None, gemv=False):
       right after attention (3-6x slower) and after a gated activation (~5% of a step);
     - several rows go to an einsum with a float32 result (~6x faster than a bfloat16 one).
     """
+    if isinstance(w_OI, quant.Int8):
+        return quant.dense(x_BTI, w_OI, b_O, dtype)
     B, T, I = x_BTI.shape
     gemv_call = x_BTI.dtype == jnp.float32 and (b_O is not None or gemv)
     if B * T == 1 and not gemv_call:

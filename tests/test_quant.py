@@ -1,0 +1,94 @@
+"""int8 weights: the round trip is bounded per row, quantized models decode exactly as their own
+uncached forward, and the compiled step reads the int8 matrices (no float copy of them)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.quant import Int8, dequantize_rows, quantize_matrix
+from tests.conftest import CONFIGS, assert_decode_equals_forward, random_tokens
+
+
+def test_round_trip_error_is_at_most_half_a_step_per_row():
+    w_OI = jax.random.normal(jax.random.key(0), (48, 40)) * jnp.arange(1, 49)[:, None]
+    w_OI = w_OI.at[5].set(0.0)  # an all-zero row stays zero (no division by zero)
+    q = quantize_matrix(w_OI)
+    assert q.q.dtype == jnp.int8 and q.scale.shape == (48, 1)
+    err_OI = jnp.abs(dequantize_rows(q.q, q.scale) - w_OI)
+    assert bool(jnp.all(err_OI <= q.scale / 2 + 1e-6))
+    assert float(jnp.abs(dequantize_rows(q.q, q.scale)[5]).max()) == 0.0
+
+
+def test_per_block_scales_dequantize_block_by_block():
+    q_OI = jnp.arange(-32, 32, dtype=jnp.int8).reshape(1, 64)
+    scale_OB = jnp.array([[0.5, 2.0]])
+    w_OI = dequantize_rows(q_OI, scale_OB)
+    np.testing.assert_allclose(w_OI[0, :32], np.arange(-32, 0) * 0.5)
+    np.testing.assert_allclose(w_OI[0, 32:], np.arange(0, 32) * 2.0)
+
+
+@pytest.fixture(params=["llama_gqa", "llama_mqa", "gpt2"])
+def quantized(request):
+    return jaxkv.quantize(jaxkv.init_params(CONFIGS[request.param], jax.random.key(1)))
+
+
+def test_quantize_makes_every_decoder_matrix_int8(quantized):
+    b = quantized.blocks[0]
+    assert all(isinstance(w, Int8) for w in (quantized.embed, b.wqkv, b.wo, b.w_in, b.w_out))
+    assert quantized.dtype == jnp.float32
+    assert jaxkv.cast(quantized, jnp.bfloat16).blocks[0].wo.q.dtype == jnp.int8
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_int8_decode_equals_int8_forward(quantized, batch):
+    """Batch 1 and 3 (one int8 loop per row); the 12-token prefill runs 16-row buckets."""
+    assert_decode_equals_forward(quantized, random_tokens(2, (batch, 20)), 12, 24)
+
+
+def test_int8_prefill_of_many_rows_equals_forward(quantized):
+    """Over 16 rows a product multiplies a float copy made for the call."""
+    tokens_BT = random_tokens(3, (2, 40))
+    cache = jaxkv.init_cache(quantized, 2, 48)
+    logits_BV, _ = jaxkv.prefill(quantized, cache, tokens_BT)
+    np.testing.assert_allclose(logits_BV, jaxkv.forward(quantized, tokens_BT)[:, -1], atol=1e-5)
+
+
+def float_copies(params, hlo: str) -> list:
+    """Float arrays that compiled HLO text materialises shaped like one of params' int8
+    matrices (values inside a fused loop are not stored, so fused computations are skipped)."""
+    shapes = {w.shape for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int8))
+              if isinstance(w, Int8)}
+    stored = "\n\n".join(c for c in hlo.split("\n\n") if not c.lstrip().startswith("%fused"))
+    found = set(re.findall(r"(?:f32|bf16|f16)\[(\d+),(\d+)\]", stored))
+    return sorted(s for s in shapes if tuple(map(str, s)) in found)
+
+
+@pytest.mark.xfail(strict=False, reason="issue 15, open: under lax.scan XLA:CPU converts some "
+                   "weights to float32 once, before the loop (bfloat16 weights too: wo of these "
+                   "tiny models; not for GPT-2 at batch 1), despite decoder.tie_weights")
+@pytest.mark.parametrize("batch", [1, 4])
+def test_compiled_decode_loop_reads_int8(quantized, batch):
+    """A lax.scan of 4 decode steps: the weights enter as int8, and no float copy of any of
+    them is made, in a step or hoisted before the loop."""
+    cache = jaxkv.init_cache(quantized, batch, 16)
+
+    def loop(params, cache):
+        def step(cache, t):
+            logits_BV, cache = jaxkv.decode_step(params, cache, jnp.zeros(batch, jnp.int32),
+                                                 jnp.full(batch, t))
+            return cache, logits_BV
+        return jax.lax.scan(step, cache, jnp.arange(4))
+
+    hlo = jax.jit(loop).lower(quantized, cache).compile().as_text()
+    assert "s8[" in hlo
+    assert float_copies(quantized, hlo) == []
+
+
+def test_quantize_names_the_kinds_it_knows():
+    params = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(1))
+    with pytest.raises(ValueError, match="kind must be 'int8', got 'int4'"):
+        jaxkv.quantize(params, "int4")
