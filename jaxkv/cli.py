@@ -168,11 +168,11 @@ def run_generate(args) -> None:
     t0 = time.perf_counter()
     params, tokenizer = load_model(path)
     ids = prompt_ids(path, params.config, tokenizer, args.prompt, not args.no_chat)
-    eos = params.config.eos_id
-    streamer = Streamer(tokenizer, [] if eos is None else [eos])
+    ends = list(params.config.end_ids)
+    streamer = Streamer(tokenizer, ends)
     loop_args, static = generate_args(
         params, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, key=jax.random.key(args.seed), eos_id=eos, on_token=streamer)
+        top_p=args.top_p, key=jax.random.key(args.seed), eos_id=ends or None, on_token=streamer)
     check_memory(params, 1, static["capacity"])
     t1 = time.perf_counter()
     compiled = generate_loop.lower(*loop_args, **static).compile()

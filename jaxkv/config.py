@@ -129,6 +129,7 @@ class Config:
     encoder: EncoderConfig | None = None
     bos_id: int | None = None
     eos_id: int | None = None
+    stop_ids: tuple = ()  # more ids that end a turn (eos_token_id lists, end-of-turn tokens)
     decoder_start_id: int | None = None  # encoder-decoder models: the first decoder token
     suppress_ids: tuple = ()  # generation defaults (Whisper): never sampled
     begin_suppress_ids: tuple = ()  # not sampled as the first generated token
@@ -158,6 +159,10 @@ class Config:
                 self.position == "relative":
             raise ValueError("Config: an audio encoder needs position='learned' or 'rope'")
         object.__setattr__(self, "suppress_ids", tuple(self.suppress_ids))
+        object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+        for i in self.stop_ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"Config.stop_ids must be in [0, {self.vocab_size}), got {i}")
         object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
         if self.attn_out_bias is None:
             object.__setattr__(self, "attn_out_bias", self.attn_bias)
@@ -245,6 +250,11 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def end_ids(self) -> tuple:
+        """Every id that ends generation: eos_id, then stop_ids."""
+        return tuple(i for i in (self.eos_id, *self.stop_ids) if i is not None)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":

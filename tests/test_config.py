@@ -14,6 +14,7 @@ from tests.conftest import CONFIGS
     (dict(norm="batchnorm"), "norm must be one of"),
     (dict(head_dim=15), "head_dim must be even for RoPE"),
     (dict(eos_id=97), r"eos_id must be in \[0, 97\)"),
+    (dict(stop_ids=[3, 97]), r"stop_ids must be in \[0, 97\), got 97"),
     (dict(rope_scaling=("yarn", 4.0)), r"rope_scaling\[0\] must be one of \('linear', 'llama3'\)"),
     (dict(rope_scaling=("linear",)), "rope_scaling 'linear' needs positive numbers factor"),
     (dict(rope_scaling=("llama3", 8.0, 1.0, 4.0, -1)),

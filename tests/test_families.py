@@ -141,6 +141,18 @@ def test_unsupported_or_broken_configs_name_the_problem(families, tmp_path, name
         jaxkv.load(path)
 
 
+def test_every_end_of_turn_id_stops_generation(families, tmp_path):
+    """Instruct models list several eos ids (config.json, then generation_config.json): the
+    first is eos_id, the rest stop_ids, and generate stops at any of them by default in the
+    CLI (config.end_ids)."""
+    path = edited_copy(families["llama3_gqa"][1], tmp_path, eos_token_id=[5, 7])
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9, 500]}))
+    with pytest.warns(UserWarning, match="eos_token_id 500 is outside the vocabulary"):
+        config = jaxkv.load(path).config
+    assert (config.eos_id, config.stop_ids, config.end_ids) == (5, (7, 9), (5, 7, 9))
+    assert jaxkv.Config.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
 def test_gguf_linear_rope_scaling_is_read(tmp_path):
     import gguf
 

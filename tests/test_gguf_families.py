@@ -191,3 +191,17 @@ def test_gemma2_soft_caps_come_from_the_file(ggufs, tmp_path):
 
     config = jaxkv.load(write_gguf(model, "GEMMA2", tmp_path / "g.gguf", edit)).config
     assert (config.attn_softcap, config.logit_softcap) == (20.0, 10.0)
+
+
+def test_end_of_turn_ids_stop_generation(ggufs, tmp_path):
+    """llama.cpp's eot / eom token ids become stop_ids (an instruct Gemma ends its turn with
+    <end_of_turn>, not eos)."""
+    model, _ = ggufs["gemma3"]
+
+    def edit(writer):
+        writer.add_eos_token_id(1)
+        writer.add_eot_token_id(6)
+        writer.add_eom_token_id(1)  # the same as eos: not repeated
+
+    config = jaxkv.load(write_gguf(model, "GEMMA3", tmp_path / "g.gguf", edit)).config
+    assert (config.eos_id, config.stop_ids, config.end_ids) == (1, (6,), (1, 6))

@@ -44,8 +44,24 @@ def special_ids(hf: dict, source: str, keys: tuple) -> dict:
     a warning, as transformers loads such configs: that token can never occur."""
     ids = {}
     for key in keys:
-        ids[SPECIAL_IDS[key]] = in_vocab(_single_id(hf.get(key)), key, hf["vocab_size"], source)
+        if key == "eos_token_id":
+            ids.update(end_ids(hf, source))
+        else:
+            value = _single_id(hf.get(key))
+            ids[SPECIAL_IDS[key]] = in_vocab(value, key, hf["vocab_size"], source)
     return ids
+
+
+def end_ids(hf: dict, source: str) -> dict:
+    """eos_id (the first) and stop_ids (the rest) of config.json's eos_token_id and then
+    generation_config.json's: instruct models list several (Llama 3: end of text, of turn)."""
+    ids = []
+    for value in (hf.get("eos_token_id"), hf.get("generation", {}).get("eos_token_id")):
+        for i in value if isinstance(value, list) else [value]:
+            i = in_vocab(i, "eos_token_id", hf["vocab_size"], source)
+            if i is not None and i not in ids:
+                ids.append(i)
+    return dict(eos_id=ids[0] if ids else None, stop_ids=tuple(ids[1:]))
 
 
 def in_vocab(value, key: str, vocab_size: int, source: str):
@@ -91,6 +107,13 @@ def gguf_id(reader, which: str, vocab_size: int, source: str):
     """tokenizer.ggml.{which}_token_id, dropped (with a warning) if outside the vocabulary."""
     key = f"tokenizer.ggml.{which}_token_id"
     return in_vocab(gguf_field(reader, key), key, vocab_size, source)
+
+
+def gguf_stop_ids(reader, vocab_size: int, source: str) -> tuple:
+    """llama.cpp's end-of-turn and end-of-message ids, where they differ from eos."""
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    ids = (gguf_id(reader, which, vocab_size, source) for which in ("eot", "eom"))
+    return tuple(dict.fromkeys(i for i in ids if i is not None and i != eos))
 
 
 def gguf_tensor_names(reader) -> set:

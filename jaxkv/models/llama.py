@@ -5,7 +5,8 @@ from jaxkv.config import ROPE_SCALINGS, Config
 from jaxkv.convert import (CheckpointError, Src, feed_forward, linear_qkv, norm, out_proj,
                            unpermute_rope_rows)
 from jaxkv.models.common import (activation, gguf_arch_field, gguf_arch_required, gguf_id,
-                                 gguf_required, gguf_tensor_names, special_ids, with_defaults)
+                                 gguf_required, gguf_stop_ids, gguf_tensor_names, special_ids,
+                                 with_defaults)
 
 # transformers' LlamaConfig defaults for keys a config.json may omit; the vocabulary size and
 # the width have no default worth guessing and must be present
@@ -161,7 +162,8 @@ def gguf_decoder_fields(reader, source: str) -> dict:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=gguf_rope_scaling(get, names, source),
         tie_embeddings="output.weight" not in names,
-        bos_id=gguf_id(reader, "bos", vocab, source), eos_id=gguf_id(reader, "eos", vocab, source))
+        bos_id=gguf_id(reader, "bos", vocab, source), eos_id=gguf_id(reader, "eos", vocab, source),
+        stop_ids=gguf_stop_ids(reader, vocab, source))
 
 
 def gguf_rope_scaling(get, names: set, source: str) -> tuple:
