@@ -30,9 +30,11 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
         return _attend_dense(q_BTNH, keys, scale, softcap)
     # Past a third of the capacity one pass over every slot is cheaper than the block loop
     # (each block is sliced out, a copy): SmolLM2 at capacity 8192, position 8000: 41 vs 75 ms.
-    dense = functools.partial(_attend_dense, q_BTNH, keys, scale, softcap)
     blocks = functools.partial(_attend_blocks, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own,
                                softcap)
+    if q_BTNH.shape[1] * S > BLOCK * BLOCK:  # many queries (a prefill chunk): scores [T, BLOCK]
+        return blocks()
+    dense = functools.partial(_attend_dense, q_BTNH, keys, scale, softcap)
     return jax.lax.cond(3 * kv_len > S, dense, blocks)
 
 
@@ -89,27 +91,51 @@ def _weighted(w_BKGTS, v_BKSH):
 
 def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own=None, softcap=None):
     """Online softmax over BLOCK-slot blocks [0, ceil(kv_len / BLOCK)) (and the own keys, as
-    the starting state): shapes stay static, work follows the filled length, not the capacity."""
+    the starting state): shapes stay static, work follows the filled length, not the capacity,
+    and no score tensor is wider than [T, max(BLOCK, own keys)]."""
     B, T, N, H = q_BTNH.shape
-    S = k_BKSH.shape[2]
+    K, S = k_BKSH.shape[1:3]
+    # Heads before positions: each block is then one batched GEMM per kv head with G * T rows
+    # (in the [B, T, K, G] order XLA:CPU transposed every score tensor: 5x slower at T = 512).
+    q_BKGTH = jnp.transpose((q_BTNH.astype(jnp.float32) * scale).reshape(B, T, K, N // K, H),
+                            (0, 2, 3, 1, 4))
+    state = (jnp.full((B, K, N // K, T), -jnp.inf), jnp.zeros((B, K, N // K, T)),
+             jnp.zeros((B, K, N // K, T, H)))
+    if own is not None:
+        state = _online_softmax(q_BKGTH, own[0], own[1], own[2], softcap, state)
 
-    def block(i, carry):
+    def block(i, state):
         # The last block may be shifted left to fit; its slots seen before are masked out.
         start = jnp.minimum(i * BLOCK, S - BLOCK)
-        slot_S = start + jnp.arange(BLOCK)
         k_blk = jax.lax.dynamic_slice_in_dim(k_BKSH, start, BLOCK, axis=2)
         v_blk = jax.lax.dynamic_slice_in_dim(v_BKSH, start, BLOCK, axis=2)
         mask_blk = jax.lax.dynamic_slice_in_dim(mask_BTS, start, BLOCK, axis=2)
-        mask_blk = mask_blk & (slot_S >= i * BLOCK)
-        part = _attend_dense(q_BTNH, [(k_blk, v_blk, mask_blk, None)], scale, softcap)
-        return merge_parts(*carry, *part)
+        mask_blk = mask_blk & (start + jnp.arange(BLOCK) >= i * BLOCK)
+        return _online_softmax(q_BKGTH, k_blk, v_blk, mask_blk, softcap, state)
 
-    if own is None:
-        first = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf))
-    else:
-        first = _attend_dense(q_BTNH, [own], scale, softcap)
     n_blocks = (jnp.minimum(kv_len, S) + BLOCK - 1) // BLOCK
-    return jax.lax.fori_loop(0, n_blocks, block, first)
+    max_BKGT, total_BKGT, acc_BKGTH = jax.lax.fori_loop(0, n_blocks, block, state)
+    out_BKGTH = acc_BKGTH / jnp.maximum(total_BKGT, jnp.finfo(jnp.float32).tiny)[..., None]
+    lse_BKGT = max_BKGT + jnp.log(total_BKGT)
+    return (jnp.transpose(out_BKGTH, (0, 3, 1, 2, 4)).reshape(B, T, N, H),
+            jnp.transpose(lse_BKGT, (0, 3, 1, 2)).reshape(B, T, N))
+
+
+def _online_softmax(q_BKGTH, k_BKSH, v_BKSH, mask_BTS, softcap, state):
+    """The softmax state (running max [B, K, G, T], sum of weights [B, K, G, T], weighted sum
+    of values [B, K, G, T, H], both relative to the max) after one more key set; q is scaled."""
+    max_BKGT, total_BKGT, acc_BKGTH = state
+    scores_BKGTS = jnp.einsum("BKGTH,BKSH->BKGTS", q_BKGTH, k_BKSH.astype(jnp.float32))
+    if softcap is not None:
+        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, -jnp.inf)
+    new_max_BKGT = jnp.maximum(max_BKGT, jnp.max(scores_BKGTS, -1))
+    new_max_BKGT = jnp.where(jnp.isfinite(new_max_BKGT), new_max_BKGT, 0.0)  # no key seen yet
+    weights_BKGTS = jnp.exp(scores_BKGTS - new_max_BKGT[..., None])
+    old_BKGT = jnp.exp(max_BKGT - new_max_BKGT)
+    acc_BKGTH = acc_BKGTH * old_BKGT[..., None] + jnp.einsum(
+        "BKGTS,BKSH->BKGTH", weights_BKGTS, v_BKSH.astype(jnp.float32))
+    return new_max_BKGT, total_BKGT * old_BKGT + weights_BKGTS.sum(-1), acc_BKGTH
 
 
 def attend(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None,

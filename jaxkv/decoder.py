@@ -128,8 +128,9 @@ def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
     reads. Linear decoding uses slot == pos and a causal mask; forests use other masks. A slot
     >= the capacity is not stored (how prefill's padding is written nowhere); a negative slot or
     position, or a token id outside the vocabulary, is an error.
-    kv_len (optional, traced): a bound on the slots any token reads; attention visits only the
-    blocks below it, so a step costs what is filled, not the capacity.
+    kv_len (optional, traced): a bound on the slots any token reads, besides those this call
+    writes; attention visits only the blocks below it, so a step costs what is filled, not the
+    capacity.
     prefix: optional (prefix cache with P rows, mask_PS of its valid slots, their kv_len): keys
     every group of B / P consecutive rows also reads, stored once (see jaxkv.multidecode).
     Window layers (config.window_layers) keep a token at slot pos mod R of their ring (if its
@@ -170,22 +171,29 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
     return x_BTD, cache.replace(k=k, v=v, ring_pos=ring_pos)
 
 
-def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B):
+CHUNK = 512  # prompt tokens per prefill pass (chosen by scripts/bench_prefill.py)
+
+
+def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B,
+                   chunk: int = CHUNK):
     """prefill without validation or bucketing (for use inside compiled code). Padding is not
-    stored; a prompt longer than a window layer's ring is run in chunks of the ring's size."""
+    stored. The prompt runs in a lax.scan of passes of `chunk` tokens (at most a window layer's
+    ring): each reads the cache blocks the passes before it filled and its own tokens, so
+    memory grows with the chunk, not with T, and work with what is filled, not the capacity."""
     count_trace("prefill")
     B, T = tokens_BT.shape
-    C = min(T, cache.ring_pos.shape[1]) if cache.ring_pos is not None else T
+    C = min(T, chunk, *([] if cache.ring_pos is None else [cache.ring_pos.shape[1]]))
     n = -(-T // C)
     tokens_NBC = jnp.pad(tokens_BT, ((0, 0), (0, n * C - T))).reshape(B, n, C).swapaxes(0, 1)
 
-    def chunk(carry, i_tokens):
+    def chunk_pass(carry, i_tokens):
         cache, last_BD = carry
         i, tokens_BC = i_tokens
         t_BC = i * C + jnp.arange(C)[None, :]  # index in the prompt
         pos_BC = start_B[:, None] + t_BC
         slot_BC = jnp.where(t_BC < lengths_B[:, None], pos_BC, cache.capacity)
-        kv_len = jnp.max(start_B + jnp.minimum(lengths_B, (i + 1) * C))
+        # The cache as it was reads only slots before this chunk (its own are read as own keys).
+        kv_len = jnp.max(start_B + jnp.minimum(lengths_B, i * C))
         x_BCD, cache = cached_pass(params, cache, tokens_BC, pos_BC, slot_BC,
                                    causal_mask(pos_BC, cache.capacity), kv_len=kv_len)
         end_B = lengths_B - 1 - i * C  # the last token's index in this chunk
@@ -194,9 +202,9 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
 
     first = (cache, jnp.zeros((B, params.config.d_model), params.embed.dtype))
     if n == 1:
-        (cache, last_BD), _ = chunk(first, (0, tokens_NBC[0]))
+        (cache, last_BD), _ = chunk_pass(first, (0, tokens_NBC[0]))
     else:
-        (cache, last_BD), _ = jax.lax.scan(chunk, first, (jnp.arange(n), tokens_NBC))
+        (cache, last_BD), _ = jax.lax.scan(chunk_pass, first, (jnp.arange(n), tokens_NBC))
     return logits(params, last_BD[:, None])[:, 0], cache
 
 
@@ -214,7 +222,7 @@ def prefill(params: Params, cache: KVCache, tokens, lengths=None, start=None):
     return _prefill_jit(params, cache, tokens_BT, lengths_B, start_B)
 
 
-_prefill_jit = jax.jit(prefill_padded)
+_prefill_jit = jax.jit(prefill_padded, static_argnames="chunk")
 
 
 def decode_step(params: Params, cache: KVCache, token, pos):

@@ -18,6 +18,7 @@ RUNS = {
     "bench_complexity": ["--lengths", "4", "8", "--repeats", "1"],
     "bench_branches": ["--branches", "1", "2", "--new-tokens", "4", "--prompt-len", "16"],
     "profile_step": ["--steps", "2", "--capacity", "32", "--pos", "3"],
+    "bench_prefill": ["--lengths", "16", "--engines", "jaxkv", "hf", "--rounds", "1"],
     "bench_checks": ["--models", "tiny", "--batches", "1", "--new-tokens", "4", "--rounds", "1"],
 }
 
