@@ -13,10 +13,11 @@ machine falls on all alike); the best round is reported, compile excluded (one w
 
 Peak memory: each (engine, length) in a fresh subprocess, which loads the model, runs one
 warm-up call, hands what it freed back (malloc_trim), then samples its resident set
-(/proc/self/statm) every 5 ms during a second call: extra = the peak during the call - the resident set just before it (weights, cache,
-compiled program and allocator pools already there). maxrss is not used: it is process-wide and
-monotone, so compile or loading would hide the call. For jaxkv the compiled program's own
-accounting is recorded beside it (memory_analysis: XLA's temporaries, and the output cache).
+(/proc/self/statm) every 5 ms during a second call: extra = the peak during the call - the
+resident set just before it (weights, cache and compiled program already there). maxrss is
+not used: it is process-wide and monotone, so compile or loading would hide the call. For
+jaxkv the compiled program's own accounting is recorded beside it (memory_analysis: XLA's
+temporaries, and the output cache).
 The issue's bound: extra <= 1 GB (the weights and the input cache are there before the call).
 
   python scripts/bench_prefill.py                                 # 512, 2048, 8192 (~25 min)
