@@ -69,9 +69,7 @@ def dense(x_BTI, w: Int8, b_O=None, dtype=None):
     that converts as it goes (XLA:CPU fuses the conversion into the product, so no float copy
     of w is made); more rows (a prefill) multiply a float copy made for the call."""
     B, T, I = x_BTI.shape
-    # The barrier keeps what made x out of the loop over w's rows (XLA would fuse it in and redo
-    # it for every row: the attention before wo, the gated activation before w_out).
-    x_RI = jax.lax.optimization_barrier(x_BTI.reshape(B * T, I).astype(w.dtype))
+    x_RI = x_BTI.reshape(B * T, I).astype(w.dtype)
     if B * T == 1:
         y_RO = row_product(x_RI[0], w)[None]
     elif B * T <= LOOP_ROWS:
@@ -85,9 +83,13 @@ def dense(x_BTI, w: Int8, b_O=None, dtype=None):
 
 
 def row_product(x_I, w: Int8):
-    """One row times w.T: [O], accumulated in float32."""
+    """One row times w.T: [O], accumulated in float32.
+
+    The row and the weights pass a barrier together first: nothing that converts w can be
+    hoisted out of a loop of rows or of steps, and what made x stays out of the loop over w's
+    rows (XLA would fuse it in and redo it for every row: the attention before wo)."""
+    x_I, w = jax.lax.optimization_barrier((x_I, w))
+    x_1I = x_I[None].astype(jnp.float32)
     if w.scale.shape[1] == 1:  # the scale leaves the loop: one multiply per output
-        y_O = (x_I[None].astype(jnp.float32) @ w.q.T.astype(jnp.float32))[0]
-        return y_O * w.scale[:, 0].astype(jnp.float32)
-    w_OI = dequantize_rows(w.q, w.scale.astype(jnp.float32))
-    return (x_I[None].astype(jnp.float32) @ w_OI.T)[0]
+        return (x_1I @ w.q.T.astype(jnp.float32))[0] * w.scale[:, 0].astype(jnp.float32)
+    return (x_1I @ dequantize_rows(w.q, w.scale.astype(jnp.float32)).T)[0]
