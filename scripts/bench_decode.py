@@ -191,7 +191,7 @@ def llamacpp_files(name, workdir, types):
         print(f"llama.cpp baseline skipped: llama_cpp does not import ({e}); install it with\n"
               f"  {LLAMACPP_INSTALL}")
         return {}
-    source = GGUF_MODELS[name]()
+    source = str(GGUF_MODELS[name]())
     os.makedirs(workdir, exist_ok=True)
     llama_cpp.llama_log_set(_QUIET, None)  # quantize logs every tensor
     stem = os.path.splitext(os.path.basename(source))[0]
