@@ -9,16 +9,16 @@ prompt of random token ids per length, a cache of exactly that many slots:
   hf_last      the same forward with logits_to_keep=1, the last position's logits only, as
                transformers' generate prefills (the fairer match of what jaxkv computes)
 Time: all of them in turn, round after round in this one process (a slow spell of the shared
-machine falls on all alike); the best round is reported, compile excluded (one warm-up call).
+machine falls on all alike); the best round is reported, compile excluded (jaxkv's warm-up).
 
-Peak memory: each (engine, length) in a fresh subprocess, which loads the model, runs one
-warm-up call, hands what it freed back (malloc_trim), then samples its resident set
-(/proc/self/statm) every 5 ms during a second call: extra = the peak during the call - the
+Peak memory: each (engine, length) in a fresh subprocess, which loads the model, compiles
+(jaxkv), hands what it freed back (malloc_trim), then samples its resident set
+(/proc/self/statm) every 5 ms during the measured call: extra = the peak during the call - the
 resident set just before it (weights, cache and compiled program already there). maxrss is
 not used: it is process-wide and monotone, so compile or loading would hide the call. For
 jaxkv the compiled program's own accounting is recorded beside it (memory_analysis: XLA's
 temporaries, and the output cache).
-The issue's bound: extra <= 1 GB (the weights and the input cache are there before the call).
+The issue's bound: extra <= 1 GB (weights and input cache are there before the call).
 
   python scripts/bench_prefill.py                                 # 512, 2048, 8192 (~25 min)
   python scripts/bench_prefill.py --lengths 512 2048 --chunks 256 512 1024   # chunk sweep
@@ -120,7 +120,8 @@ def memory_here(engine, length):
     """Run in the subprocess: one engine at one length, warm, then measured."""
     model = load(engine)
     call = calls(engine, model, length)
-    call()
+    if engine == "jaxkv":
+        call()  # compile
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the warm-up freed goes back to the system
     _, extra = peak_during(call)
@@ -146,13 +147,14 @@ def memory(engine, length):
 
 
 def time_rounds(runs, rounds):
-    """{name: best seconds}, every run called once per round, in turn (after one warm-up)."""
-    outputs = {name: run() for name, run in runs.items()}
+    """({name: best seconds}, {name: output}): every run called once per round, in turn; the
+    jaxkv ones warm up first (compile), torch runs need none."""
+    outputs = {name: run() for name, run in runs.items() if name.startswith("jaxkv")}
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
             start = time.perf_counter()
-            run()
+            outputs[name] = run()
             times[name].append(time.perf_counter() - start)
     return {name: min(t) for name, t in times.items()}, outputs
 
