@@ -197,7 +197,8 @@ def plot(rows, out, title):
         if "xla_temp_bytes" in rows[0]["memory"].get("jaxkv", {}):
             ax_m.plot(lengths, [r["memory"]["jaxkv"]["xla_temp_bytes"] / 2**20 for r in rows],
                       "x--", label="jaxkv: XLA temporaries")
-    ax_m.set(xscale="log", xlabel="prompt tokens", ylabel="MiB", title="memory added during the call")
+    ax_m.set(xscale="log", xlabel="prompt tokens", ylabel="MiB",
+             title="memory added during the call")
     for ax in (ax_t, ax_m):
         ax.minorticks_off()  # log-axis minor labels would overprint the lengths
         ax.set_xticks(lengths, [str(n) for n in lengths])
