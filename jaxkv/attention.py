@@ -19,7 +19,8 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
     heads share each kv head. mask_BTS[b, t, s] says whether query t of row b may read key s;
     bias_BNTS (optional, batch and T may be 1) is added to the scores. kv_len (optional,
     traced): no query reads a slot >= kv_len, so only the first ceil(kv_len / BLOCK) blocks of
-    keys are visited (all of them in one pass once kv_len passes a third of the slots). own
+    keys are visited (for a few queries, T * S <= BLOCK^2, all of them in one pass once kv_len
+    passes a third of the slots; many queries never form scores wider than a block). own
     (optional): a second key set (k_BKUH, v_BKUH, mask_BTU, bias_BNTU or None), e.g. the call's
     own tokens, attended together with the first. A query with no visible key gets output 0 and
     lse -inf, never NaN. softcap (optional): scaled scores s become softcap * tanh(s / softcap).
