@@ -219,6 +219,9 @@ def main():
                              "when it is decoder.CHUNK)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's own, one per core); on a "
+                             "shared machine its OpenMP threads may wait on each other")
     parser.add_argument("--memory-of", nargs=2, metavar=("ENGINE", "LENGTH"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/bench_prefill")
@@ -226,6 +229,10 @@ def main():
     if args.memory_of:
         print(json.dumps(memory_here(args.memory_of[0], int(args.memory_of[1]))))
         return
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     models = {"jaxkv": load("jaxkv")}
     if {"hf", "hf_last"} & set(args.engines):
         models["hf"] = models["hf_last"] = load("hf")
@@ -235,7 +242,7 @@ def main():
     title = (f"SmolLM2-135M float32, batch 1, jaxkv chunk {decoder.CHUNK}; {cpu}, "
              f"{os.cpu_count()} cores")
     result = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-              "load_average_after": os.getloadavg(),
+              "load_average_after": os.getloadavg(), "torch_threads": args.torch_threads,
               "chunk": decoder.CHUNK, "rounds": args.rounds, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
