@@ -85,10 +85,13 @@ def dense(x_BTI, w: Int8, b_O=None, dtype=None):
 def row_product(x_I, w: Int8):
     """One row times w.T: [O], accumulated in float32.
 
-    The row and the weights pass a barrier together first: nothing that converts w can be
-    hoisted out of a loop of rows or of steps, and what made x stays out of the loop over w's
-    rows (XLA would fuse it in and redo it for every row: the attention before wo)."""
+    The row and the weights pass a barrier together first, so nothing that converts w can be
+    hoisted out of a loop of rows or of steps."""
     x_I, w = jax.lax.optimization_barrier((x_I, w))
+    # XLA fuses no producer across a conditional (the barrier alone did not stop it): without
+    # this the attention before wo and the gating before w_out ran inside the loop, once per
+    # weight row. SmolLM2, Intel Xeon, lax.scan of steps: 31.5 -> 13.6 ms (fp32: 30.8).
+    x_I = jax.lax.cond(jnp.isnan(x_I[0]), lambda x: x * 1, lambda x: x, x_I)
     x_1I = x_I[None].astype(jnp.float32)
     if w.scale.shape[1] == 1:  # the scale leaves the loop: one multiply per output
         return (x_1I @ w.q.T.astype(jnp.float32))[0] * w.scale[:, 0].astype(jnp.float32)
