@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
+from jaxkv.cache import slots
+from jaxkv.checkpoint import gguf_reader
 
 from bench_checks import cpu_name  # scripts/
 
@@ -140,9 +142,8 @@ def cache_bytes(c, batch, prompt_len, new_tokens, itemsize):
     """Bytes of K and V a decode step reads at the mean position (window layers at most their
     window)."""
     filled = prompt_len + new_tokens / 2
-    slots = sum(min(filled, c.sliding_window) if i in c.window_layers else filled
-                for i in range(c.n_layers))
-    return 2 * slots * batch * c.n_kv_heads * c.head_dim * itemsize
+    total = sum(slots(c, i, filled) for i in range(c.n_layers))
+    return 2 * total * batch * c.n_kv_heads * c.head_dim * itemsize
 
 
 def jaxkv_runner(params, prompts, new_tokens):
@@ -230,8 +231,8 @@ def check_dequantized(source, f32_path):
     (float32 rounding aside)."""
     import gguf
 
-    ours = {t.name: t for t in gguf.GGUFReader(source).tensors}
-    theirs = gguf.GGUFReader(f32_path).tensors
+    ours = {t.name: t for t in gguf_reader(source).tensors}
+    theirs = gguf_reader(f32_path).tensors
     assert sorted(t.name for t in theirs) == sorted(ours), "tensor names differ"
     worst = 0.0
     for t in theirs:
@@ -246,9 +247,7 @@ def check_dequantized(source, f32_path):
 def gguf_step_bytes(path, config, batch, prompt_len, new_tokens, kv_itemsize):
     """Bytes one llama.cpp decode step reads: the file's tensors (less the embedding table
     when a separate output.weight is the head) and the filled cache, as step_bytes."""
-    import gguf
-
-    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    tensors = {t.name: int(t.n_bytes) for t in gguf_reader(path).tensors}
     weights = sum(tensors.values())
     if "output.weight" in tensors:
         weights -= tensors["token_embd.weight"]
