@@ -7,6 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxkv.cache import Int8KV, quantize_kv
+
 
 BLOCK = 256  # key slots per block when attention is bounded by the filled length
 
@@ -15,8 +17,11 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
                  own=None, softcap=None):
     """Attention output [B, T, N, H] (float32) and its log-sum-exp [B, T, N].
 
-    Keys and values are [B, K, S, H], of any float dtype (read in float32); G = N // K query
-    heads share each kv head. mask_BTS[b, t, s] says whether query t of row b may read key s;
+    Keys and values are [B, K, S, H], of any float dtype (read in float32), or Int8KV: then the
+    key scales multiply the scores and the value scales the softmax weights, so no float copy
+    scaled per token is made, and the own keys are quantized first, as the cache will hold
+    them (a call then reads its tokens as later calls will). G = N // K query heads share each
+    kv head. mask_BTS[b, t, s] says whether query t of row b may read key s;
     bias_BNTS (optional, batch and T may be 1) is added to the scores. kv_len (optional,
     traced): no query reads a slot >= kv_len, so only the first ceil(kv_len / BLOCK) blocks of
     keys are visited (for a few queries, T * S <= BLOCK^2, all of them in one pass once kv_len
@@ -25,6 +30,8 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
     own tokens, attended together with the first. A query with no visible key gets output 0 and
     lse -inf, never NaN. softcap (optional): scaled scores s become softcap * tanh(s / softcap).
     """
+    if own is not None and isinstance(k_BKSH, Int8KV):
+        own = (quantize_kv(own[0]), quantize_kv(own[1]), *own[2:])
     keys = [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS)] + ([] if own is None else [own])
     S = k_BKSH.shape[2]
     if kv_len is None or bias_BNTS is not None or S <= BLOCK:
@@ -47,7 +54,7 @@ def _attend_dense(q_BTNH, keys, scale, softcap=None):
     q_BTKGH = q_BTNH.astype(jnp.float32).reshape(B, T, K, N // K, H)
     scores = []
     for k_BKSH, _, mask_BTS, bias_BNTS in keys:
-        scores_BKGTS = _scores(q_BTKGH, k_BKSH.astype(jnp.float32)) * scale
+        scores_BKGTS = _key_scores(q_BTKGH, k_BKSH, _scores) * scale
         if softcap is not None:
             scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
         if bias_BNTS is not None:
@@ -62,13 +69,29 @@ def _attend_dense(q_BTNH, keys, scale, softcap=None):
     out_BTKGH, start = 0.0, 0
     for _, v_BKSH, _, _ in keys:
         S = v_BKSH.shape[2]
-        out_BTKGH = out_BTKGH + _weighted(weights_BKGTS[..., start: start + S],
-                                          v_BKSH.astype(jnp.float32))
+        out_BTKGH = out_BTKGH + _value_sum(weights_BKGTS[..., start: start + S], v_BKSH,
+                                           _weighted)
         start += S
     total_BTKG = jnp.moveaxis(total_BKGT, 3, 1)
     out_BTKGH = out_BTKGH / jnp.maximum(total_BTKG, jnp.finfo(jnp.float32).tiny)[..., None]
     lse_BTKG = jnp.moveaxis(max_BKGT1[..., 0], 3, 1) + jnp.log(total_BTKG)
     return out_BTKGH.reshape(B, T, N, H), lse_BTKG.reshape(B, T, N)
+
+
+def _key_scores(q_X, k_BKSH, product):
+    """product(q_X, keys in float32) -> scores [B, K, G, T, S]; an Int8KV's scales [B, K, S]
+    multiply the scores of its int8 keys."""
+    if isinstance(k_BKSH, Int8KV):
+        return product(q_X, k_BKSH.q.astype(jnp.float32)) * k_BKSH.scale[:, :, None, None, :]
+    return product(q_X, k_BKSH.astype(jnp.float32))
+
+
+def _value_sum(w_BKGTS, v_BKSH, product):
+    """product(weights, values in float32); an Int8KV's scales [B, K, S] multiply the weights
+    of its int8 values."""
+    if isinstance(v_BKSH, Int8KV):
+        return product(w_BKGTS * v_BKSH.scale[:, :, None, None, :], v_BKSH.q.astype(jnp.float32))
+    return product(w_BKGTS, v_BKSH.astype(jnp.float32))
 
 
 def _scores(q_BTKGH, k_BKSH):
@@ -108,8 +131,9 @@ def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own=None, so
     def block(i, state):
         # The last block may be shifted left to fit; its slots seen before are masked out.
         start = jnp.minimum(i * BLOCK, S - BLOCK)
-        k_blk = jax.lax.dynamic_slice_in_dim(k_BKSH, start, BLOCK, axis=2)
-        v_blk = jax.lax.dynamic_slice_in_dim(v_BKSH, start, BLOCK, axis=2)
+        # (tree.map: an Int8KV's int8 numbers and scales alike)
+        k_blk, v_blk = jax.tree.map(
+            lambda x: jax.lax.dynamic_slice_in_dim(x, start, BLOCK, axis=2), (k_BKSH, v_BKSH))
         mask_blk = jax.lax.dynamic_slice_in_dim(mask_BTS, start, BLOCK, axis=2)
         mask_blk = mask_blk & (start + jnp.arange(BLOCK) >= i * BLOCK)
         return _online_softmax(q_BKGTH, k_blk, v_blk, mask_blk, softcap, state)
@@ -126,7 +150,8 @@ def _online_softmax(q_BKGTH, k_BKSH, v_BKSH, mask_BTS, softcap, state):
     """The softmax state (running max [B, K, G, T], sum of weights [B, K, G, T], weighted sum
     of values [B, K, G, T, H], both relative to the max) after one more key set; q is scaled."""
     max_BKGT, total_BKGT, acc_BKGTH = state
-    scores_BKGTS = jnp.einsum("BKGTH,BKSH->BKGTS", q_BKGTH, k_BKSH.astype(jnp.float32))
+    scores_BKGTS = _key_scores(q_BKGTH, k_BKSH, functools.partial(jnp.einsum,
+                                                                  "BKGTH,BKSH->BKGTS"))
     if softcap is not None:
         scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, -jnp.inf)
@@ -134,8 +159,8 @@ def _online_softmax(q_BKGTH, k_BKSH, v_BKSH, mask_BTS, softcap, state):
     new_max_BKGT = jnp.where(jnp.isfinite(new_max_BKGT), new_max_BKGT, 0.0)  # no key seen yet
     weights_BKGTS = jnp.exp(scores_BKGTS - new_max_BKGT[..., None])
     old_BKGT = jnp.exp(max_BKGT - new_max_BKGT)
-    acc_BKGTH = acc_BKGTH * old_BKGT[..., None] + jnp.einsum(
-        "BKGTS,BKSH->BKGTH", weights_BKGTS, v_BKSH.astype(jnp.float32))
+    acc_BKGTH = acc_BKGTH * old_BKGT[..., None] + _value_sum(
+        weights_BKGTS, v_BKSH, functools.partial(jnp.einsum, "BKGTS,BKSH->BKGTH"))
     return new_max_BKGT, total_BKGT * old_BKGT + weights_BKGTS.sum(-1), acc_BKGTH
 
 

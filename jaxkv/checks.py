@@ -112,6 +112,19 @@ def float_dtype(dtype, name: str):
     return dt
 
 
+def kv_dtype(dtype, name: str):
+    """dtype as a jnp.dtype, which must be a float dtype or int8 (a cache's keys and values)."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in (*FLOAT_DTYPES, "int8"):
+        got = repr(dtype) if dt is None else dt.name
+        raise ValueError(f"{name} must be a float dtype ({', '.join(FLOAT_DTYPES)}) or int8, "
+                         f"got {got}")
+    return dt
+
+
 def int_array(x, name: str, ndim: int, bounds=None, what: str = "is out of range"):
     """x as an int32 array of ndim dimensions. Its values are checked to lie in bounds
     (low, high) before the cast, and a concrete array of a wider dtype to fit int32, so an int64
@@ -150,8 +163,8 @@ def tokens_2d(config, tokens, name: str):
 
 def cache_layout(config, cache, name: str = "cache"):
     """The cache must be one init_cache made for this model: layers, kv heads, head dim, a float
-    dtype, and cross-attention K/V exactly for encoder-decoder models. Shapes are static, so this
-    costs nothing at run time."""
+    dtype or int8, and cross-attention K/V exactly for encoder-decoder models. Shapes are
+    static, so this costs nothing at run time."""
     from jaxkv.cache import KVCache
 
     if not isinstance(cache, KVCache):
@@ -197,9 +210,23 @@ def _layers(config, cache, fields, expected, name, layout):
             if tuple(x.shape) != shape:
                 raise ValueError(f"{name}.{field}[{layer}] has shape {tuple(x.shape)}; this "
                                  f"model needs {shape} {layout}")
-            if not jnp.issubdtype(x.dtype, jnp.floating):
-                raise TypeError(f"{name}.{field}[{layer}] has dtype {x.dtype}; expected a float "
-                                "dtype (float32, bfloat16 or float16)")
+            _stored(x, f"{name}.{field}[{layer}]")
+
+
+def _stored(x, name: str):
+    """A layer's keys or values: a float array, or an Int8KV with a float32 scale per vector."""
+    from jaxkv.cache import Int8KV
+
+    if isinstance(x, Int8KV):
+        if x.q.dtype != jnp.int8 or x.scale.dtype != jnp.float32:
+            raise TypeError(f"{name} is Int8KV with q {x.q.dtype}, scale {x.scale.dtype}; "
+                            "expected int8 and float32 (make it with jaxkv.init_cache)")
+        if tuple(x.scale.shape) != tuple(x.q.shape[:-1]):
+            raise ValueError(f"{name}.scale has shape {tuple(x.scale.shape)}, expected "
+                             f"{tuple(x.q.shape[:-1])} (one per token and kv head)")
+    elif not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} has dtype {x.dtype}; expected a float dtype (float32, bfloat16 "
+                        "or float16) or Int8KV")
 
 
 def fits_ring(T: int, ring_slots: int):

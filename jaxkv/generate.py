@@ -109,17 +109,19 @@ class _Decoding:
     t: jax.Array  # int32, the index of the next token
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token", "mesh"))
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token", "mesh",
+                                             "kv_dtype"))
 def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id,
                   suppress_V, begin_suppress_V, encoder_inputs=None, encoder_lengths=None, *,
-                  max_new_tokens: int, capacity: int, on_token=None, mesh=None):
+                  max_new_tokens: int, capacity: int, on_token=None, mesh=None, kv_dtype=None):
     """The compiled program behind generate: (encoder and cross K/V,) prefill, then a while
     loop of sample + decode_step that stops when every row has ended."""
     count_trace("generate")
     B, T = tokens_BT.shape
     V = params.config.vocab_size
     rows_B1 = jnp.arange(B)[:, None]
-    cache = constrain_cache(init_cache(params, B, capacity, encoder_inputs=encoder_inputs,
+    cache = constrain_cache(init_cache(params, B, capacity, kv_dtype,
+                                       encoder_inputs=encoder_inputs,
                                        encoder_lengths=encoder_lengths), mesh)
     logits_BV, cache = prefill_padded(params, cache, tokens_BT, lengths_B,
                                       jnp.zeros((B,), jnp.int32))
@@ -165,7 +167,8 @@ def generate(params, prompts, max_new_tokens: int, **options):
     max_new_tokens); on_token(token [B]): called from inside the compiled loop for each token
     drawn (generation stops early once every row has ended);
     mesh: a jax.sharding.Mesh with axes ("data", "model") (see jaxkv.sharding.make_mesh): rows
-    are split over "data", heads / MLP width / vocabulary over "model".
+    are split over "data", heads / MLP width / vocabulary over "model"; kv_dtype: the cache's
+    dtype (init_cache's: float32, bfloat16, float16 or int8; default the params').
     """
     args, static = generate_args(params, prompts, max_new_tokens, **options)
     if static["on_token"] is None:
@@ -210,7 +213,8 @@ def eos_ids(eos_id):
 def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, temperature=0.0,
                   top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                   eos_id=None, pad_id=None, max_len=None, on_token=None, encoder_inputs=None,
-                  encoder_lengths=None, suppress_ids=None, begin_suppress_ids=None, mesh=None):
+                  encoder_lengths=None, suppress_ids=None, begin_suppress_ids=None, mesh=None,
+                  kv_dtype=None):
     """Validated (args, static kwargs) for generate_loop; lets callers compile ahead of time."""
     c = params.config
     tokens_BT, lengths_B = prepare_prompts(c, prompts, lengths)
@@ -238,5 +242,6 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
         encoder = jax.tree.map(lambda x: shard_rows(x, mesh), encoder)
     args = (params, *rows, eos_E, jnp.int32(pad_id), suppress_V, begin_V, *encoder)
     on_token = None if on_token is None else RaisedInCallback(on_token)
+    kv_dtype = None if kv_dtype is None else checks.kv_dtype(kv_dtype, "kv_dtype")
     return args, dict(max_new_tokens=max_new_tokens, capacity=capacity, on_token=on_token,
-                      mesh=mesh)
+                      mesh=mesh, kv_dtype=kv_dtype)

@@ -87,9 +87,10 @@ class Prefix:
         return self.cache, self.mask, jnp.max(self.length)
 
 
-def make_prefix(params, prompts, chunk_size: int | None = None) -> Prefix:
+def make_prefix(params, prompts, chunk_size: int | None = None, kv_dtype=None) -> Prefix:
     """Prefill prompts (one token list, or a list of them) once; chunk_size splits the prefill
-    into several calls, giving the same cache."""
+    into several calls, giving the same cache. kv_dtype: the cache's (init_cache's dtype); the
+    caches of what hangs off the prefix (forests, branches, beams) take the same."""
     _check_model(params)
     if isinstance(prompts, str) or len(prompts) == 0:
         raise ValueError(f"prefix must be token ids or a list of token-id lists, got "
@@ -103,7 +104,7 @@ def make_prefix(params, prompts, chunk_size: int | None = None) -> Prefix:
     tokens = np.zeros((len(rows), T), np.int32)
     for b, r in enumerate(rows):
         tokens[b, : len(r)] = r
-    cache = init_cache(params, len(rows), checks.bucket_len(T))
+    cache = init_cache(params, len(rows), checks.bucket_len(T), kv_dtype)
     chunk = chunk_size or T
     last = np.zeros((len(rows), params.config.vocab_size), np.float32)
     for start in range(0, T, chunk):
@@ -139,8 +140,8 @@ def _forest_pass(params, prefix: Prefix, tokens_BN, depth_BN, mask_BNN):
     B, N = tokens_BN.shape
     pos_BN = prefix.length[:, None] + depth_BN
     slot_BN = jnp.broadcast_to(jnp.arange(N), (B, N))
-    x_BND, cache = extend(params, init_cache(params, B, N), tokens_BN, pos_BN, slot_BN,
-                          mask_BNN, prefix=prefix.shared)
+    x_BND, cache = extend(params, init_cache(params, B, N, prefix.cache.dtype), tokens_BN, pos_BN,
+                          slot_BN, mask_BNN, prefix=prefix.shared)
     return logits(params, x_BND), cache
 
 
@@ -171,26 +172,27 @@ def forest_pass(params, tokens, parents, prefix: Prefix):
     return logits_BNV, cache, forests
 
 
-def _empty_prefix(params, rows: int) -> Prefix:
+def _empty_prefix(params, rows: int, kv_dtype=None) -> Prefix:
     """A prefix of length 0 (forests that hang off nothing)."""
-    return Prefix(init_cache(params, rows, 1), jnp.zeros((rows,), jnp.int32),
+    return Prefix(init_cache(params, rows, 1, kv_dtype), jnp.zeros((rows,), jnp.int32),
                   jnp.zeros((rows, params.config.vocab_size), jnp.float32))
 
 
-def forest_logits(params, tokens, parents, *, prefix=None):
+def forest_logits(params, tokens, parents, *, prefix=None, kv_dtype=None):
     """Next-token logits of every node of a forest, each as if its root-to-node path ran alone.
 
     tokens [N], parents [N] (-1 for a root), in any topological order; prefix: a token list the
     forest hangs off (its K/V computed once), or a Prefix. Batched form: tokens and parents as
     lists of 1-D arrays (ragged; prefix one list per forest or one for all) -> [B, max N, V].
+    kv_dtype: the caches' (init_cache's dtype) unless prefix is a Prefix, whose dtype is used.
     """
     _check_model(params)
     batched = isinstance(tokens, (list, tuple)) and len(tokens) and np.ndim(tokens[0]) == 1
     token_rows, parent_rows = (tokens, parents) if batched else ([tokens], [parents])
     if prefix is None:
-        prefix = _empty_prefix(params, 1)
+        prefix = _empty_prefix(params, 1, kv_dtype)
     elif not isinstance(prefix, Prefix):
-        prefix = make_prefix(params, prefix)
+        prefix = make_prefix(params, prefix, kv_dtype=kv_dtype)
     logits_BNV, _, forests = forest_pass(params, token_rows, parent_rows, prefix)
     n = max(f.parents.size for f in forests)
     return logits_BNV[:, :n] if batched else logits_BNV[0, :n]
@@ -215,10 +217,11 @@ def trie(candidates):
     return np.array(tokens, np.int32), np.array(parents, np.int32), paths
 
 
-def score_continuations(params, context, candidates):
+def score_continuations(params, context, candidates, *, kv_dtype=None):
     """Total log-probability [C] of each candidate continuation given the context.
 
     One pass: the context is prefilled once and the candidates form a trie hanging off it.
+    kv_dtype: the caches' (init_cache's dtype).
     """
     if len(candidates) == 0:
         raise ValueError("candidates is empty")
@@ -226,7 +229,7 @@ def score_continuations(params, context, candidates):
         if np.size(cand) == 0:
             raise ValueError(f"candidates[{i}] is empty")
         checks.token_ids(params.config, cand, f"candidates[{i}]", 1)
-    prefix = make_prefix(params, context)
+    prefix = make_prefix(params, context, kv_dtype=kv_dtype)
     tokens, parents, paths = trie(candidates)
     logits_BNV, _, _ = forest_pass(params, [tokens], [parents], prefix)
     logp_NV = jax.nn.log_softmax(logits_BNV[0], axis=-1)
@@ -274,17 +277,20 @@ def _decode_branches(params, prefix: Prefix, sampling, keys_n, *, max_new_tokens
         return (cache, logits_nV), token_n
 
     (cache, logits_nV), tokens_Tn = jax.lax.scan(
-        step, (init_cache(params, n, max_new_tokens), logits_nV), jnp.arange(max_new_tokens))
+        step, (init_cache(params, n, max_new_tokens, prefix.cache.dtype), logits_nV),
+        jnp.arange(max_new_tokens))
     return Branches(tokens_Tn.T, cache, logits_nV)
 
 
 def decode_branches(params, prompt, n_branches: int, max_new_tokens: int, *, temperature=1.0,
-                    top_k=None, top_p=None, min_p=None, key=None) -> tuple[Prefix, Branches]:
-    """n_branches continuations of one prompt; the prompt's K/V are stored once and shared."""
+                    top_k=None, top_p=None, min_p=None, key=None,
+                    kv_dtype=None) -> tuple[Prefix, Branches]:
+    """n_branches continuations of one prompt; the prompt's K/V are stored once and shared.
+    kv_dtype: the caches' (init_cache's dtype)."""
     n_branches = checks.int_arg(n_branches, "n_branches")
     max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
     checks.token_ids(params.config, prompt, "prompt", 1)
-    prefix = make_prefix(params, list(prompt))
+    prefix = make_prefix(params, list(prompt), kv_dtype=kv_dtype)
     _check_positions(params, prefix, max_new_tokens)
     sampling = sampling_params(n_branches, temperature=temperature, top_k=top_k, top_p=top_p,
                                min_p=min_p)
@@ -293,7 +299,7 @@ def decode_branches(params, prompt, n_branches: int, max_new_tokens: int, *, tem
 
 
 def generate_branches(params, prompt, n_branches: int, max_new_tokens: int, *, temperature=1.0,
-                      top_k=None, top_p=None, min_p=None, key=None):
+                      top_k=None, top_p=None, min_p=None, key=None, kv_dtype=None):
     """[n_branches, max_new_tokens]: sampled continuations of one prompt sharing its cache.
 
     Branch b uses key fold_in(key, b) (or key[b] for [n] keys), so it equals
@@ -301,7 +307,7 @@ def generate_branches(params, prompt, n_branches: int, max_new_tokens: int, *, t
     """
     _, branches = decode_branches(params, prompt, n_branches, max_new_tokens,
                                   temperature=temperature, top_k=top_k, top_p=top_p,
-                                  min_p=min_p, key=key)
+                                  min_p=min_p, key=key, kv_dtype=kv_dtype)
     return branches.tokens
 
 
@@ -309,7 +315,7 @@ def generate_branches(params, prompt, n_branches: int, max_new_tokens: int, *, t
 
 @functools.partial(jax.jit, static_argnames=("capacity",))
 def _compact(params, prefix: Prefix, prefix_row, own: KVCache, row, slots_T, *, capacity):
-    cache = init_cache(params, 1, capacity, own.k[0].dtype)
+    cache = init_cache(params, 1, capacity, own.dtype)
     P = min(prefix.cache.capacity, capacity)
     start = prefix.length[prefix_row]
     dest_T = start + jnp.arange(slots_T.shape[0])
@@ -319,8 +325,9 @@ def _compact(params, prefix: Prefix, prefix_row, own: KVCache, row, slots_T, *, 
         # Index arrays around a slice: both sides are viewed [T, K, H].
         return linear_1KCH.at[0, :, dest_T].set(mine_nKTH[row, :, slots_T], mode="drop")
 
-    return cache.replace(k=tuple(map(fill, cache.k, prefix.cache.k, own.k)),
-                         v=tuple(map(fill, cache.v, prefix.cache.v, own.v)))
+    # (tree.map: an Int8KV's int8 numbers [.., H] and scales alike)
+    return cache.replace(k=jax.tree.map(fill, cache.k, prefix.cache.k, own.k),
+                         v=jax.tree.map(fill, cache.v, prefix.cache.v, own.v))
 
 
 def accept(params, prefix: Prefix, own: KVCache, row: int, slots, capacity: int,
@@ -413,7 +420,7 @@ def _beam_search(params, prefix: Prefix, eos_E, length_penalty, *, beam_size, ma
     count_trace("beam_search")
     nb, T, V = beam_size, max_new_tokens, params.config.vocab_size
     state = _Beams(
-        cache=init_cache(params, nb, T), logits=jnp.broadcast_to(prefix.logits[0], (nb, V)),
+        cache=init_cache(params, nb, T, prefix.cache.dtype), logits=jnp.broadcast_to(prefix.logits[0], (nb, V)),
         running=jnp.zeros((nb, T), jnp.int32),
         running_score=jnp.full((nb,), NEG).at[0].set(0.0),  # one live beam at the start
         best=jnp.zeros((nb, T), jnp.int32), best_score=jnp.full((nb,), NEG),
@@ -429,19 +436,20 @@ def _beam_search(params, prefix: Prefix, eos_E, length_penalty, *, beam_size, ma
 
 
 def beam_search(params, prompt, beam_size: int, max_new_tokens: int, *, length_penalty=1.0,
-                eos_id=None, pad_id=None):
+                eos_id=None, pad_id=None, kv_dtype=None):
     """Beam search over one prompt, as Hugging Face's generate(num_beams=beam_size,
     early_stopping=False): (tokens [beam_size, max_new_tokens], scores [beam_size], lengths
     [beam_size]), best first. Scores are summed log-probs / length ** length_penalty (length in
     generated tokens, EOS included); tokens past a length are pad_id (default: the EOS id).
     The prompt's K/V are stored once; each step reorders only the beams' own tokens' K/V.
+    kv_dtype: the caches' (init_cache's dtype).
     """
     beam_size = checks.int_arg(beam_size, "beam_size")
     max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
     if beam_size * 2 > params.config.vocab_size:
         raise ValueError(f"beam_size={beam_size} needs a vocabulary of at least {2 * beam_size}")
     checks.token_ids(params.config, prompt, "prompt", 1)
-    prefix = make_prefix(params, list(prompt))
+    prefix = make_prefix(params, list(prompt), kv_dtype=kv_dtype)
     _check_positions(params, prefix, max_new_tokens)
     eos_E = jnp.atleast_1d(jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32))
     tokens, scores, lengths = _beam_search(params, prefix, eos_E, jnp.float32(length_penalty),
