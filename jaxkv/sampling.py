@@ -48,13 +48,19 @@ def sampling_params(batch_size: int, **values) -> SamplingParams:
     return SamplingParams(**fields)
 
 
-def row_keys(key, batch_size: int):
-    """[B] keys: a single key gives row b the key fold_in(key, b); a [B] batch of keys is kept."""
+def base_key(key):
+    """A typed PRNG key (or a batch of them) from a key, a legacy uint32 key or None (key 0)."""
     if key is None:
-        key = jax.random.key(0)
+        return jax.random.key(0)
     dtype = getattr(key, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        key = _legacy_key(key)
+        return _legacy_key(key)
+    return key
+
+
+def row_keys(key, batch_size: int):
+    """[B] keys: a single key gives row b the key fold_in(key, b); a [B] batch of keys is kept."""
+    key = base_key(key)
     if key.ndim == 0:
         return jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(batch_size))
     if key.shape != (batch_size,):
@@ -109,7 +115,8 @@ def argmax(x_BV):
 
 
 def sample(logits_BV, params: SamplingParams, keys_B, step, seen_BV):
-    """Next token [B] int32. seen_BV marks the tokens the repetition penalty applies to."""
+    """Next token [B] int32. step: the index of this token in its row's answer, one for all
+    rows or one per row [B]; seen_BV marks the tokens the repetition penalty applies to."""
     if keys_B.shape != logits_BV.shape[:1]:
         raise ValueError(f"keys must be one key per row, shape {logits_BV.shape[:1]}, got "
                          f"{keys_B.shape} (jaxkv.sampling.row_keys makes them)")
@@ -124,8 +131,9 @@ def sample(logits_BV, params: SamplingParams, keys_B, step, seen_BV):
         scaled_BV = jax.lax.cond(filtering, filter_logits, lambda x, *_: x, scaled_BV,
                                  params.top_k, params.top_p, params.min_p)
         V = logits_BV.shape[-1]
-        gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, step), (V,)))(
-            keys_B)
+        step_B = jnp.broadcast_to(step, keys_B.shape)
+        gumbel_BV = jax.vmap(lambda k, t: jax.random.gumbel(jax.random.fold_in(k, t), (V,)))(
+            keys_B, step_B)
         sampled_B = argmax(scaled_BV + gumbel_BV)
         return jnp.where(params.temperature > 0, sampled_B, greedy_B)
 

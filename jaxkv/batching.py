@@ -1,0 +1,264 @@
+"""Continuous batching: generate_many keeps batch_size rows busy over a whole data set.
+
+A row that ends (EOS or its token budget) takes the next prompt at once: the prompt is
+prefilled into that row alone, in pieces of PIECE tokens between short runs of decoding, and the
+row restarts at position 0 while its neighbours go on. Every row carries its own position, so
+nothing else changes shape: one compiled admission and one compiled decoding loop serve every
+prompt length and every answer length.
+"""
+
+import functools
+import sys
+import time
+from collections.abc import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxkv import checks
+from jaxkv.attention import causal_mask
+from jaxkv.cache import KVCache, init_cache
+from jaxkv.decoder import cached_pass, logits, prefill_padded
+from jaxkv.generate import eos_ids
+from jaxkv.sampling import SamplingParams, base_key, row_keys, sample, sampling_params
+from jaxkv.tracecount import count_trace
+
+PIECE = 128  # prompt tokens prefilled into a row per admission call
+STEPS_BETWEEN_PIECES = 8  # decode steps the other rows take while a prompt is being admitted
+
+
+@struct.dataclass
+class Rows:
+    """batch_size rows, each serving one prompt at a time (B rows, N = the largest budget)."""
+
+    cache: KVCache
+    logits: jax.Array  # [B, V] float32: the next token's
+    pos: jax.Array  # [B] int32: where the row's next token goes
+    seen: jax.Array  # [B, V] bool: tokens the repetition penalty applies to
+    keys: jax.Array  # [B] keys: the row's prompt's (fold_in(key, prompt index))
+    t: jax.Array  # [B] int32: tokens drawn for the row's answer
+    budget: jax.Array  # [B] int32: the row's prompt's max_new_tokens
+    done: jax.Array  # [B] bool: not decoding (ended, idle, or its prompt still being admitted)
+    tokens: jax.Array  # [B, N] int32: the answers drawn so far
+
+
+def empty_rows(params, batch_size: int, capacity: int, max_new_tokens: int) -> Rows:
+    B, V = batch_size, params.config.vocab_size
+    zeros_B = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (donated: one buffer each)
+    return Rows(init_cache(params, B, capacity), jnp.zeros((B, V), jnp.float32), zeros_B(),
+                jnp.zeros((B, V), bool), row_keys(None, B), zeros_B(), zeros_B(),
+                jnp.ones((B,), bool), jnp.zeros((B, max_new_tokens), jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames="rows")
+def admit(params, rows: Rows, row, tokens_P, length, start, key, budget) -> Rows:
+    """Prefills tokens_P[:length] into row `row` at positions start.. (start 0: a new prompt,
+    which forgets the row's last one). The row starts decoding once start + length is the
+    whole prompt, i.e. when called with its last piece: the caller says so through budget > 0."""
+    count_trace("admit")
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)  # noqa: E731
+    cache_1 = jax.tree.map(take, rows.cache)
+    if cache_1.ring_pos is not None:  # a new prompt: the ring's positions are another row's
+        cache_1 = cache_1.replace(ring_pos=jnp.where(start == 0, -1, cache_1.ring_pos))
+    logits_1V, cache_1 = prefill_padded(params, cache_1, tokens_P[None], length[None],
+                                        start[None])
+    put = lambda x, x_1: jax.lax.dynamic_update_slice_in_dim(x, x_1, row, 0)  # noqa: E731
+    prompt_P = jnp.where(jnp.arange(tokens_P.shape[0]) < length, tokens_P, rows.seen.shape[1])
+    seen_V = (rows.seen[row] & (start > 0)).at[prompt_P].set(True, mode="drop")
+    return rows.replace(cache=jax.tree.map(put, rows.cache, cache_1),
+                        logits=rows.logits.at[row].set(logits_1V[0]),
+                        pos=rows.pos.at[row].set(start + length), seen=rows.seen.at[row].set(seen_V),
+                        keys=rows.keys.at[row].set(key), t=rows.t.at[row].set(0),
+                        budget=rows.budget.at[row].set(budget), done=rows.done.at[row].set(budget == 0))
+
+
+@functools.partial(jax.jit, donate_argnames="rows")
+def decode(params, rows: Rows, sampling: SamplingParams, eos_E, max_steps) -> Rows:
+    """Up to max_steps tokens for every decoding row; returns early once some row ends."""
+    count_trace("decode_rows")
+    B = rows.pos.shape[0]
+
+    def step(carry):
+        rows, n, _ = carry
+        active_B = ~rows.done
+        token_B = sample(rows.logits, sampling, rows.keys, rows.t, rows.seen)
+        t_B = jnp.where(active_B, rows.t, rows.tokens.shape[1])  # out of range: not recorded
+        ended_B = active_B & (jnp.isin(token_B, eos_E) | (rows.t + 1 >= rows.budget))
+        rows = rows.replace(tokens=rows.tokens.at[jnp.arange(B), t_B].set(token_B, mode="drop"),
+                            seen=rows.seen.at[jnp.arange(B), token_B].max(active_B),
+                            t=rows.t + active_B, done=rows.done | ended_B)
+        going_B = ~rows.done
+        pos_B1 = rows.pos[:, None]
+        x_B1D, cache = cached_pass(params, rows.cache, token_B[:, None], pos_B1,
+                                   jnp.where(going_B[:, None], pos_B1, rows.cache.capacity),
+                                   causal_mask(pos_B1, rows.cache.capacity),
+                                   kv_len=jnp.max(jnp.where(going_B, rows.pos, 0)) + 1)
+        rows = rows.replace(cache=cache, logits=logits(params, x_B1D)[:, 0],
+                            pos=rows.pos + going_B)
+        return rows, n + 1, ended_B.any()
+
+    def more(carry):
+        rows, n, ended = carry
+        return (n < max_steps) & ~ended & ~rows.done.all()
+
+    rows, _, _ = jax.lax.while_loop(more, step, (rows, jnp.int32(0), False))
+    return rows
+
+
+def generate_many(params, prompts: Iterable, max_new_tokens, **options) -> list[list[int]]:
+    """Each prompt's answer (its generated ids, EOS included when drawn), in input order.
+
+    prompts: any iterable of token-id lists; max_new_tokens: an int or one per prompt. Options
+    as iter_many's. Greedy answers equal generate's for the prompt alone; sampled ones equal
+    generate's with key=[fold_in(key, i)] for prompt i, whatever the batch size or order."""
+    answers = dict(iter_many(params, prompts, max_new_tokens, **options))
+    return [answers[i] for i in range(len(answers))]
+
+
+def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16,
+              temperature=0.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+              key=None, eos_id=None, max_len=None, progress=False) -> Iterator:
+    """(prompt index, answer ids) as each prompt ends, over batch_size rows kept busy.
+
+    A list or tuple of prompts sizes the cache itself (longest prompt + largest budget); other
+    iterables (a generator: memory stays bounded by batch_size) need max_len, the positions one
+    row may hold. key: row keys are fold_in(key, prompt index)."""
+    c = params.config
+    if c.is_encoder_decoder:
+        raise ValueError("generate_many: encoder-decoder models are not supported (their rows "
+                         "need encoder inputs); use generate")
+    batch_size = checks.int_arg(batch_size, "batch_size")
+    budgets, N = budget_list(max_new_tokens)
+    N = checks.bucket_len(N)  # the answers' buffer: a new largest budget in its bucket reuses it
+    prompts, capacity = sized(c, prompts, budgets, N, max_len)
+    sampling = sampling_params(batch_size, temperature=temperature, top_k=top_k, top_p=top_p,
+                               min_p=min_p, repetition_penalty=repetition_penalty)
+    schedule = Schedule(params, batch_size, capacity, N, key)
+    bar = Progress(len(prompts) if isinstance(prompts, (list, tuple)) else None, progress)
+    eos_E = eos_ids(eos_id)
+    queue = enumerate(prompts)
+    while True:
+        schedule.fill(queue, budgets, c, capacity)
+        if schedule.idle():
+            return
+        schedule.admit_pieces()
+        steps = STEPS_BETWEEN_PIECES if schedule.admitting() else N
+        schedule.rows = decode(params, schedule.rows, sampling, eos_E, jnp.int32(steps))
+        for i, answer in schedule.harvest():
+            bar.update(len(answer))
+            yield i, answer
+
+
+class Schedule:
+    """The host side: which prompt each row serves, and how much of it is prefilled."""
+
+    def __init__(self, params, batch_size, capacity, N, key):
+        self.params, self.key = params, base_key(key)
+        if self.key.ndim != 0:
+            raise ValueError(f"key must be one key (prompt i uses fold_in(key, i)), got key "
+                             f"shape {self.key.shape}")
+        self.rows = empty_rows(params, batch_size, capacity, N)
+        self.serving = [None] * batch_size  # row -> [prompt index, ids, ids prefilled, budget]
+
+    def fill(self, queue, budgets, config, capacity):
+        for b, serving in enumerate(self.serving):
+            if serving is None:
+                i, ids = next(queue, (None, None))
+                if i is None:
+                    return
+                if np.size(ids) == 0:
+                    raise ValueError(f"prompts[{i}] is empty: every prompt needs a token")
+                ids = checks.token_ids(config, ids, f"prompts[{i}]", 1)
+                budget = budgets(i)
+                if ids.shape[0] + budget > capacity:
+                    raise ValueError(f"prompts[{i}]: {ids.shape[0]} tokens + max_new_tokens "
+                                     f"{budget} > max_len ({capacity})")
+                self.serving[b] = [i, np.asarray(ids, np.int32), 0, budget]
+
+    def admitting(self):
+        return any(s is not None and s[2] < len(s[1]) for s in self.serving)
+
+    def idle(self):
+        return all(s is None for s in self.serving)
+
+    def admit_pieces(self):
+        """One piece of every prompt being admitted."""
+        for b, s in enumerate(self.serving):
+            if s is not None and s[2] < len(s[1]):
+                i, ids, start, budget = s
+                piece = ids[start: start + PIECE]
+                s[2] = start + len(piece)
+                tokens_P = np.zeros((PIECE,), np.int32)
+                tokens_P[: len(piece)] = piece
+                self.rows = admit(self.params, self.rows, jnp.int32(b), tokens_P,
+                                  jnp.int32(len(piece)), jnp.int32(start), jax.random.fold_in(self.key, i),
+                                  jnp.int32(budget if s[2] == len(ids) else 0))
+
+    def harvest(self):
+        """(prompt index, answer) of every decoding row that has ended; those rows go free."""
+        done_B, t_B = jax.device_get((self.rows.done, self.rows.t))
+        ended = [b for b, s in enumerate(self.serving)
+                 if s is not None and s[2] == len(s[1]) and done_B[b]]
+        tokens_BN = np.asarray(self.rows.tokens) if ended else None
+        for b in ended:
+            yield self.serving[b][0], tokens_BN[b, : t_B[b]].tolist()
+            self.serving[b] = None
+
+
+def budget_list(max_new_tokens):
+    """(prompt index -> max_new_tokens, the largest) from an int or one int per prompt."""
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        values = [checks.int_arg(n, f"max_new_tokens[{i}]") for i, n in enumerate(max_new_tokens)]
+        if not values:
+            raise ValueError("max_new_tokens is an empty list: expected one int per prompt")
+
+        def budget(i):
+            if i >= len(values):
+                raise ValueError(f"max_new_tokens has {len(values)} values, but there are "
+                                 f"more prompts (prompt {i})")
+            return values[i]
+
+        return budget, max(values)
+    n = checks.int_arg(max_new_tokens, "max_new_tokens")
+    return lambda i: n, n
+
+
+def sized(config, prompts, budgets, N, max_len):
+    """(prompts, cache capacity): a list sizes it; other iterables need max_len."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be an iterable of token-id lists, got "
+                        f"{type(prompts).__name__}")
+    if max_len is not None:
+        capacity = checks.int_arg(max_len, "max_len")
+        if capacity > config.max_seq_len:
+            raise ValueError(f"max_len={capacity} exceeds the model's max_seq_len "
+                             f"({config.max_seq_len})")
+    elif isinstance(prompts, (list, tuple)):
+        longest = max((np.size(p) for p in prompts), default=1)
+        capacity = min(checks.bucket_len(longest) + N, config.max_seq_len)
+    else:
+        raise ValueError("prompts is an iterator, so generate_many cannot size the cache "
+                         "ahead: pass max_len (longest prompt + max_new_tokens)")
+    return prompts, capacity
+
+
+class Progress:
+    """prompts done, tokens/s and the time left, on stderr (when on)."""
+
+    def __init__(self, total, on: bool):
+        self.total, self.on, self.done, self.tokens = total, on, 0, 0
+        self.start = time.perf_counter()
+
+    def update(self, new_tokens: int):
+        self.done, self.tokens = self.done + 1, self.tokens + new_tokens
+        if not self.on:
+            return
+        elapsed = time.perf_counter() - self.start
+        line = f"\r{self.done}" + (f"/{self.total}" if self.total else "") + " prompts"
+        line += f", {self.tokens / elapsed:.1f} tokens/s"
+        if self.total:
+            line += f", ETA {elapsed / self.done * (self.total - self.done):.0f} s"
+        sys.stderr.write(line + ("\n" if self.done == self.total else ""))
+        sys.stderr.flush()

@@ -1,0 +1,92 @@
+"""Continuous batching: generate_many's answers equal generate's, whatever the batch size, the
+order prompts end in, or how a prompt is cut into admission pieces; shapes never change."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import batching
+from jaxkv.tracecount import TRACE_COUNTS
+from tests.conftest import ENCDEC_CONFIGS, TINY, random_tokens
+
+EOS = 5
+LENGTHS = [3, 40, 1, 17, 90, 8, 25, 2, 60, 11, 33, 6, 70]  # 13 prompts
+BUDGETS = [4, 12, 1, 20, 6, 16, 3, 9, 2, 18, 7, 13, 5]  # long-tailed: rows end at different times
+
+
+def prompts():
+    tokens = np.asarray(random_tokens(11, (len(LENGTHS), max(LENGTHS))))
+    return [tokens[i, :n].tolist() for i, n in enumerate(LENGTHS)]
+
+
+def reference(params, **options):
+    """generate on all prompts as one ragged batch, each answer cut at its budget and EOS."""
+    tokens_BN, _ = jaxkv.generate(params, prompts(), max(BUDGETS), eos_id=EOS, **options)
+    answers = []
+    for row, budget in zip(np.asarray(tokens_BN), BUDGETS):
+        row = row[:budget].tolist()
+        answers.append(row[: row.index(EOS) + 1] if EOS in row else row)
+    return answers
+
+
+@pytest.fixture(scope="module")
+def window():
+    config = jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=96, sliding_window=16,
+                                window_layers=(0, 2), **TINY)
+    return jaxkv.init_params(config, jax.random.key(7))
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 13])
+def test_greedy_equals_generate(llama, batch_size):
+    got = jaxkv.generate_many(llama, prompts(), BUDGETS, batch_size=batch_size, eos_id=EOS)
+    assert got == reference(llama)
+    assert any(a[-1] == EOS for a in got) and any(len(a) == b for a, b in zip(got, BUDGETS))
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 13])
+def test_sampling_depends_on_key_and_prompt_index_only(llama, batch_size):
+    """Prompt i draws with fold_in(key, i), as generate's row i does: equal answers for every
+    batch size, so for every order of completion."""
+    options = dict(temperature=0.9, top_k=20, repetition_penalty=1.2, key=jax.random.key(3))
+    got = jaxkv.generate_many(llama, prompts(), BUDGETS, batch_size=batch_size, eos_id=EOS,
+                              **options)
+    assert got == reference(llama, **options)
+
+
+def test_window_model_and_prompts_admitted_in_pieces(window, monkeypatch):
+    """Pieces of 16 tokens (a 90-token prompt takes 6 admissions, with decoding between them);
+    a sliding-window row that took a new prompt forgets the last one's ring."""
+    monkeypatch.setattr(batching, "PIECE", 16)
+    got = jaxkv.generate_many(window, prompts(), BUDGETS, batch_size=3, eos_id=EOS)
+    assert got == reference(window)
+
+
+def test_no_recompile_for_new_lengths_and_a_generator(llama):
+    """After one data set, another with other prompt lengths and budgets (the largest in the
+    same bucket: 17..32), given as a generator, traces nothing new."""
+    jaxkv.generate_many(llama, prompts(), BUDGETS, batch_size=4, max_len=128)
+    before = dict(TRACE_COUNTS)
+    other = (p[: max(1, len(p) // 2)] for p in prompts()[::-1])
+    got = jaxkv.generate_many(llama, other, 30, batch_size=4, max_len=128)
+    assert len(got) == len(LENGTHS) and all(len(a) == 30 for a in got)
+    assert {k: TRACE_COUNTS[k] - before.get(k, 0) for k in ("admit", "decode_rows")} == {
+        "admit": 0, "decode_rows": 0}
+
+
+def test_bad_inputs(llama):
+    with pytest.raises(ValueError, match="pass max_len"):
+        jaxkv.generate_many(llama, iter(prompts()), 4)
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        jaxkv.generate_many(llama, [[1, 2], []], 4)
+    with pytest.raises(ValueError, match=r"max_new_tokens has 2 values"):
+        jaxkv.generate_many(llama, [[1], [2], [3]], [4, 4])
+    with pytest.raises(ValueError, match=r"prompts\[0\]: 100 tokens \+ max_new_tokens 40"):
+        jaxkv.generate_many(llama, [[1] * 100], 40, max_len=128)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        jaxkv.generate_many(llama, [[1]], 4, max_len=4096)
+    with pytest.raises(TypeError, match="batch_size"):
+        jaxkv.generate_many(llama, [[1]], 4, batch_size=2.5)
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        t5 = jaxkv.init_params(ENCDEC_CONFIGS["t5_relu"], jax.random.key(0))
+        jaxkv.generate_many(t5, [[1]], 4)
