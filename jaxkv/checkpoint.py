@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxkv import checks, convert, locate, models
+from jaxkv import checks, convert, locate, models, quant
 from jaxkv.config import Config
 from jaxkv.convert import CheckpointError
 from jaxkv.models.common import gguf_field, gguf_required  # noqa: F401 - jaxkv.tokenizer's
@@ -29,7 +29,7 @@ SAVED_CONFIG = "jaxkv_config.json"
 MANIFEST = "jaxkv_manifest.json"
 
 
-def load(path, dtype=None) -> Params:
+def load(path, dtype=None, int8=False) -> Params:
     """Params from a Hugging Face directory (config.json + *.safetensors: GPT-2, Llama, Qwen2,
     Qwen3, Mistral, Gemma 2, Gemma 3 (text), T5, Whisper), a .gguf file (llama, qwen2, qwen3,
     gemma2, gemma3), a CTranslate2 Whisper directory, a jaxkv.save directory, or a model name in the local Hugging Face cache (see
@@ -37,6 +37,9 @@ def load(path, dtype=None) -> Params:
 
     dtype: what floating weights become (float32, bfloat16 or float16); by default float32 for
     foreign formats and the saved dtype (bitwise as saved) for jaxkv's own.
+    int8: every decoder matrix int8 (jaxkv.Int8), read as int8 where a GGUF holds it as Q8_0
+    (one scale per 32 inputs, no float copy made), quantized with one scale per row otherwise
+    (jaxkv.quantize) -- so the result is an all-int8 model whatever the file holds.
     A jaxkv.save directory is checked against its manifest first (see load_saved); a file that
     is damaged or malformed is a CheckpointError naming it.
     """
@@ -45,8 +48,16 @@ def load(path, dtype=None) -> Params:
         raise FileNotFoundError(f"load: {path!r} does not exist")
     if dtype is not None:
         checks.float_dtype(dtype, "load: dtype")
+    if not isinstance(int8, bool):
+        raise TypeError(f"load: int8 must be True or False, got {int8!r}")
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, int8)
+    params = _load_other(path, dtype)
+    return quant.quantize(params) if int8 else params
+
+
+def _load_other(path: str, dtype=None) -> Params:
+    """load's formats other than GGUF."""
     if any(os.path.isfile(os.path.join(path, name)) for name in (SAVED_CONFIG, MANIFEST)):
         return load_saved(path, dtype)
     if os.path.isfile(os.path.join(path, "model.bin")) and not glob.glob(
@@ -272,8 +283,9 @@ def config_from_gguf(reader, source: str) -> Config:
     return _build_config(lambda: family.config(reader, source), source)
 
 
-def load_gguf(path: str, dtype=None) -> Params:
-    """A GGUF of one of models.GGUF_ARCHITECTURES, dequantized with the gguf package."""
+def load_gguf(path: str, dtype=None, int8=False) -> Params:
+    """A GGUF of one of models.GGUF_ARCHITECTURES, dequantized with the gguf package; int8 (see
+    load): Q8_0 matrices read straight from their blocks, every other matrix quantized per row."""
     import gguf
 
     reader = gguf_reader(path)
@@ -282,10 +294,14 @@ def load_gguf(path: str, dtype=None) -> Params:
 
     def get_tensor(name):
         t = tensors.get(name)
-        return None if t is None else gguf.dequantize(t.data, t.tensor_type)
+        if t is None:
+            return None
+        if int8 and t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and t.data.ndim == 2:
+            return quant.from_q8_0(t.data)
+        return gguf.dequantize(t.data, t.tensor_type)
 
     name_map = gguf_family(reader, path).name_map(config, set(tensors))
-    return convert.build_params(config, name_map, get_tensor, path, dtype or jnp.float32)
+    return convert.build_params(config, name_map, get_tensor, path, dtype or jnp.float32, int8)
 
 
 # ---- jaxkv's own format (orbax + manifest) ------------------------------------------------

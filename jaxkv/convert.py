@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import quant
 from jaxkv.config import Config
 from jaxkv.params import Params, gate_up_rows, init_params, kv_rows, qkv_rows
 
@@ -130,8 +131,13 @@ def split_layer(name: str):
 
 
 def build_params(config: Config, name_map: dict, get_tensor: Callable, source: str,
-                 dtype=jnp.float32) -> Params:
-    """Params for config, each leaf read through name_map; get_tensor(name) -> array or None."""
+                 dtype=jnp.float32, int8=False) -> Params:
+    """Params for config, each leaf read through name_map; get_tensor(name) -> array, None, or
+    a quant.Int8 of numpy arrays (a matrix the file holds as int8 blocks).
+
+    int8: every decoder matrix (quant.MATRICES) becomes a quant.Int8: one read as Int8 keeps its
+    blocks (its rows moved as the map says), a float one is quantized with one scale per row,
+    as jaxkv.quantize does. Without int8, an Int8 read is dequantized."""
     skeleton = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
 
@@ -145,6 +151,8 @@ def build_params(config: Config, name_map: dict, get_tensor: Callable, source: s
         if tuple(w.shape) != tuple(src.shape):
             raise CheckpointError(f"{source}: tensor '{name}' has shape {tuple(w.shape)}, "
                                   f"expected {tuple(src.shape)}")
+        if isinstance(w, quant.Int8):
+            return _int8_rows(w, src.to_ours, f"{source}: tensor '{name}' (for {ours})")
         return src.to_ours(np.asarray(w, np.float32))
 
     out = []
@@ -152,9 +160,50 @@ def build_params(config: Config, name_map: dict, get_tensor: Callable, source: s
         ours, layer = split_layer(path_name(path))
         entry = name_map[ours]
         if isinstance(entry, Fused):
-            w = entry.join(*(fetch(ours, part, layer) for part in entry.parts))
+            w = _join(entry.join, [fetch(ours, part, layer) for part in entry.parts])
         else:
             w = fetch(ours, entry, layer)
         assert w.shape == leaf.shape, (ours, w.shape, leaf.shape)
-        out.append(jnp.asarray(w, dtype))
+        out.append(_leaf(w, dtype, int8 and ours in quant.MATRICES))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _leaf(w, dtype, int8: bool):
+    """A numpy leaf (float, or Int8 of numpy arrays) as a jax one: int8 says whether it is to
+    be a quant.Int8."""
+    if isinstance(w, quant.Int8) and int8:
+        return quant.Int8(jnp.asarray(w.q), jnp.asarray(w.scale, dtype))
+    if isinstance(w, quant.Int8):
+        w = quant.dequantize_rows(w.q, w.scale.astype(np.float32))
+    w = jnp.asarray(w, dtype)
+    return quant.quantize_matrix(w) if int8 else w
+
+
+def _int8_rows(w: quant.Int8, to_ours: Callable, what: str) -> quant.Int8:
+    """to_ours applied to an int8 matrix (numpy q [O, I], scale [O, NB]) as a move of whole
+    rows: it is applied to the row numbers, and q's and scale's rows are taken in the order it
+    gives. A map that does anything else to the rows (a transpose, arithmetic on the values)
+    would break the blocks and is refused."""
+    O = w.shape[0]
+    rows_R1 = to_ours(np.arange(O)[:, None])
+    if (rows_R1.ndim != 2 or rows_R1.shape[1] != 1 or rows_R1.dtype.kind not in "iu"
+            or rows_R1.size and not 0 <= rows_R1.min() <= rows_R1.max() < O):
+        raise CheckpointError(f"{what}: int8 blocks can only have their rows reordered, but "
+                              "this model's name map transforms the matrix otherwise; load "
+                              "it without int8")
+    return quant.Int8(w.q[rows_R1[:, 0]], w.scale[rows_R1[:, 0]])
+
+
+def _join(join: Callable, parts: list):
+    """join(*parts); where any part is int8, every part is (a float part quantized in blocks
+    of the same size) and join moves whole rows of their concatenation."""
+    int8 = [p for p in parts if isinstance(p, quant.Int8)]
+    if not int8:
+        return join(*parts)
+    blocks = int8[0].scale.shape[1]
+    parts = [p if isinstance(p, quant.Int8) else quant.quantize_blocks_np(p, blocks)
+             for p in parts]
+    starts = np.cumsum([0] + [p.shape[0] for p in parts[:-1]])
+    rows_R1 = join(*(np.arange(p.shape[0])[:, None] + s for p, s in zip(parts, starts)))
+    return quant.Int8(np.concatenate([p.q for p in parts])[rows_R1[:, 0]],
+                      np.concatenate([p.scale for p in parts])[rows_R1[:, 0]])

@@ -9,9 +9,11 @@ x @ w.T): with one scale per row the int8 loop ran 3-6x faster than float32 (Smo
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 Q8_BLOCK = 32  # inputs per scale in GGUF's Q8_0
+MATRICES = ("embed", "lm_head", "blocks.wqkv", "blocks.wo", "blocks.w_in", "blocks.w_out")
 LOOP_ROWS = 16  # up to this many rows (decode steps) run as one int8 loop each
 
 
@@ -51,6 +53,29 @@ def quantize_matrix(w_OI) -> Int8:
     safe_O1 = jnp.where(scale_O1 > 0, scale_O1, 1.0)
     q_OI = jnp.clip(jnp.round(w_OI / safe_O1), -127, 127).astype(jnp.int8)
     return Int8(q_OI, scale_O1.astype(w_OI.dtype))
+
+
+def quantize_blocks_np(w_OI, blocks: int) -> Int8:
+    """numpy: one scale per block of I / blocks inputs, as GGUF's Q8_0 (max |w| -> 127)."""
+    O, I = w_OI.shape
+    w_OBK = np.asarray(w_OI, np.float32).reshape(O, blocks, I // blocks)
+    scale_OB = np.abs(w_OBK).max(axis=2) / 127
+    safe_OB1 = np.where(scale_OB > 0, scale_OB, 1)[..., None]
+    q_OBK = np.clip(np.round(w_OBK / safe_OB1), -127, 127).astype(np.int8)
+    return Int8(q_OBK.reshape(O, I), scale_OB)
+
+
+def from_q8_0(data_OX) -> Int8:
+    """numpy views of GGUF Q8_0 bytes [O, NB * 34] (per block: a float16 scale, 32 int8) ->
+    Int8(q [O, NB * 32] int8, scale [O, NB] float16); nothing is converted to float."""
+    data_OX = np.asarray(data_OX, np.uint8)
+    O, X = data_OX.shape
+    if X % 34:
+        raise ValueError(f"from_q8_0: rows of {X} bytes are not whole 34-byte Q8_0 blocks")
+    blocks_OBX = data_OX.reshape(O, X // 34, 34)
+    scale_OB = np.ascontiguousarray(blocks_OBX[..., :2]).view(np.float16)[..., 0]
+    q_OBK = np.ascontiguousarray(blocks_OBX[..., 2:]).view(np.int8)
+    return Int8(q_OBK.reshape(O, -1), scale_OB)
 
 
 def quantize(params, kind: str = "int8"):

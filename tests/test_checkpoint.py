@@ -10,7 +10,9 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import jaxkv
-from tests.conftest import encoder_inputs, random_tokens
+from jaxkv import quant
+from jaxkv.quant import Int8, dequantize_rows
+from tests.conftest import CONFIGS, encoder_inputs, finish_gguf, random_tokens
 
 HF_NAMES = ["gpt2", "llama_gqa", "llama_mqa_bias"]
 HF_ENCDEC = ["t5_relu", "t5_gated", "whisper"]
@@ -152,3 +154,129 @@ def test_gpt2_checkpoint_without_lm_prefix(hf_models, tmp_path):
               path / "model.safetensors")
     reference = jaxkv.load(hf_models["gpt2"][1])
     jax.tree.map(np.testing.assert_array_equal, jaxkv.load(path), reference)
+
+
+# ---- GGUF Q8_0 loaded as int8 ---------------------------------------------------------------
+
+def write_q8_0_gguf(path, float_names=()):
+    """A llama GGUF for CONFIGS['llama_gqa'] (untied head, Q/K rows in llama.cpp's order), random
+    weights; every matrix Q8_0 except those in float_names (float32), norms float32."""
+    import gguf
+
+    from jaxkv.models import llama
+
+    config, rng = CONFIGS["llama_gqa"], np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in dict(block_count=3, context_length=128, embedding_length=64,
+                           feed_forward_length=96, head_count=4, head_count_kv=2,
+                           layer_norm_rms_eps=1e-5, vocab_size=97).items():
+        getattr(writer, f"add_{key}")(value)
+    for src in llama.gguf_map(config).values():
+        for part in getattr(src, "parts", (src,)):
+            for name in sorted({part.name.format(i=i) for i in range(3)} if part.name else ()):
+                w = rng.normal(size=part.shape).astype(np.float32) * 0.1
+                if w.ndim == 2 and name not in float_names:
+                    writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                else:
+                    writer.add_tensor(name, w if w.ndim == 2 else 1 + 0.1 * w)
+    finish_gguf(writer)
+    return path
+
+
+@pytest.fixture(scope="module")
+def q8_0_gguf(tmp_path_factory):
+    return write_q8_0_gguf(tmp_path_factory.mktemp("q8_0") / "tiny-q8_0.gguf")
+
+
+def test_q8_0_loads_as_int8_blocks_equal_to_gguf_dequantize(q8_0_gguf):
+    """Every matrix an Int8 with one scale per 32 inputs whose values are exactly those of
+    gguf.dequantize, rows moved as the float load moves them (llama.cpp's Q/K order undone,
+    Q/K/V and gate/up fused)."""
+    ints, floats = jaxkv.load(q8_0_gguf, int8=True), jaxkv.load(q8_0_gguf)
+    for ours in quant.MATRICES:
+        for w, f in zip(leaves_named(ints, ours), leaves_named(floats, ours)):
+            assert isinstance(w, Int8) and w.q.dtype == np.int8
+            assert w.scale.shape == (w.shape[0], w.shape[1] // 32) and w.scale.dtype == np.float32
+            np.testing.assert_array_equal(dequantize_rows(w.q, w.scale), f)
+
+
+def leaves_named(params, ours: str) -> list:
+    """The leaves of params at quant.MATRICES name ours ('blocks.wo': one per layer)."""
+    if ours.startswith("blocks."):
+        return [getattr(b, ours.removeprefix("blocks.")) for b in params.blocks]
+    return [getattr(params, ours)]
+
+
+def test_q8_0_int8_decodes_as_the_dequantized_float_model(q8_0_gguf):
+    ints, floats = jaxkv.load(q8_0_gguf, int8=True), jaxkv.load(q8_0_gguf)
+    tokens_BT = random_tokens(5, (2, 16))
+    reference_BTV = jaxkv.forward(floats, tokens_BT)
+    cache = jaxkv.init_cache(ints, 2, 16)
+    logits_BV, cache = jaxkv.prefill(ints, cache, tokens_BT[:, :6])
+    np.testing.assert_allclose(logits_BV, reference_BTV[:, 5], atol=1e-5, rtol=0)
+    step = jax.jit(jaxkv.decode_step)
+    for t in range(6, 16):  # batch 2: one int8 loop per row
+        logits_BV, cache = step(ints, cache, tokens_BT[:, t], jax.numpy.full(2, t))
+        np.testing.assert_allclose(logits_BV, reference_BTV[:, t], atol=1e-5, rtol=0)
+    prompts = random_tokens(6, (1, 5)).tolist()
+    np.testing.assert_array_equal(jaxkv.generate(ints, prompts, 24)[0],
+                                  jaxkv.generate(floats, prompts, 24)[0])
+
+
+def test_q8_0_blocks_are_never_dequantized(q8_0_gguf, monkeypatch):
+    """No float copy of a Q8_0 matrix is made: gguf.dequantize only sees the norms."""
+    import gguf
+
+    seen = []
+    dequantize = gguf.dequantize
+    monkeypatch.setattr(gguf, "dequantize", lambda data, kind: seen.append(kind) or
+                        dequantize(data, kind))
+    jaxkv.load(q8_0_gguf, int8=True)
+    assert seen and set(seen) == {gguf.GGMLQuantizationType.F32}
+
+
+def test_float_matrices_of_a_q8_0_file_are_quantized(tmp_path):
+    """A float32 head gets one scale per row (as jaxkv.quantize); a float32 up projection fused
+    with a Q8_0 gate is quantized in blocks of 32 like its partner."""
+    path = write_q8_0_gguf(tmp_path / "mixed.gguf", ("output.weight", "blk.1.ffn_up.weight"))
+    ints, floats = jaxkv.load(path, int8=True), jaxkv.load(path)
+    assert ints.lm_head.scale.shape == (97, 1)
+    reference = quant.quantize_matrix(floats.lm_head)
+    np.testing.assert_array_equal(ints.lm_head.q, reference.q)
+    np.testing.assert_array_equal(ints.lm_head.scale, reference.scale)
+    w_in, f_in = ints.blocks[1].w_in, floats.blocks[1].w_in
+    assert w_in.scale.shape == (192, 2)
+    np.testing.assert_array_equal(dequantize_rows(w_in.q, w_in.scale)[0::2], f_in[0::2])  # gate
+    up = quant.quantize_blocks_np(np.asarray(f_in[1::2]), 2)
+    np.testing.assert_array_equal(w_in.q[1::2], up.q)
+
+
+def test_int8_load_of_other_formats_quantizes(tmp_path, llama):
+    jaxkv.save(llama, tmp_path / "model")
+    loaded, reference = jaxkv.load(tmp_path / "model", int8=True), jaxkv.quantize(llama)
+    jax.tree.map(np.testing.assert_array_equal, loaded, reference)
+
+
+def test_int8_must_be_a_bool(q8_0_gguf):
+    with pytest.raises(TypeError, match="load: int8 must be True or False, got 'yes'"):
+        jaxkv.load(q8_0_gguf, int8="yes")
+
+
+def test_int8_blocks_with_a_transposing_map_are_refused():
+    """GPT-2 stores [in, out]: turning that around would break the 32-input blocks."""
+    from jaxkv import convert
+    from jaxkv.models import gpt2
+
+    config, rng = CONFIGS["gpt2"], np.random.default_rng(0)
+    name_map = gpt2.name_map(config)
+    shapes = {part.name.format(i=i): part.shape for e in name_map.values()
+              for part in getattr(e, "parts", (e,)) if part.name for i in range(3)}
+
+    def get_tensor(name):  # every matrix in blocks of 32, as a Q8_0 file would hold it
+        w = rng.normal(size=shapes[name]).astype(np.float32)
+        return quant.quantize_blocks_np(w, w.shape[1] // 32) if w.ndim == 2 else w
+
+    with pytest.raises(jaxkv.CheckpointError, match="attn.c_attn.weight.*can only have their "
+                                                    "rows reordered"):
+        convert.build_params(config, name_map, get_tensor, "gpt2.bin", int8=True)
