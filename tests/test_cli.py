@@ -11,19 +11,15 @@ import subprocess
 import sys
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 import jaxkv
 from jaxkv import cli
+from tests.conftest import char_tokenizer
 
 
 def save_tiny(params, path):
     """params saved with jaxkv.save, with a character-level tokenizer."""
-    chars = [chr(c) for c in range(32, 32 + params.config.vocab_size - 1)]
-    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars + ["<unk>"])},
-                                           unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    jaxkv.save(params, path, tokenizer=tokenizer)
+    jaxkv.save(params, path, tokenizer=char_tokenizer(params.config.vocab_size))
     return path
 
 

@@ -1,0 +1,85 @@
+"""Answering a JSONL data set: one answer line per request, in the order prompts end; a job cut
+short (a torn last line included) resumes and ends with the same answers, each once."""
+
+import json
+
+import jax
+import pytest
+
+import jaxkv
+from jaxkv import jsonl
+from tests.conftest import char_tokenizer
+
+REQUESTS = [{"prompt": "Hello there"}, {"prompt": "A", "max_new_tokens": 3},
+            {"id": "q7", "prompt": "The quick brown fox jumps over the lazy dog"},
+            {"prompt": "xyz", "max_new_tokens": 9}, {"prompt": "Once upon a time, far away"},
+            {"id": 42, "prompt": "12345"}]
+
+
+def write_lines(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run(llama, tmp_path, output, **options):
+    tokenizer = char_tokenizer(llama.config.vocab_size)
+    encode = lambda text: tokenizer.encode(text).ids  # noqa: E731
+    source = write_lines(tmp_path / "in.jsonl", REQUESTS)
+    return jsonl.answer_file(llama, tokenizer, encode, str(source), str(output), 6,
+                             batch_size=2, temperature=0.8, top_k=30, seed=5, **options)
+
+
+def answers(path):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == len({json.dumps(r["id"]) for r in rows})  # each id once
+    return {json.dumps(r["id"]): r for r in rows}
+
+
+def test_every_request_answered_once(llama, tmp_path):
+    out = tmp_path / "out.jsonl"
+    assert run(llama, tmp_path, out) == 6
+    got = answers(out)
+    assert set(got) == {"1", "2", '"q7"', "4", "5", "42"}
+    assert [got[k]["tokens"] for k in ("1", "2", "4")] == [6, 3, 9]
+    assert all(isinstance(r["completion"], str) for r in got.values())
+    assert run(llama, tmp_path, out) == 0  # all done: nothing to redo
+
+
+def test_resume_after_a_kill_gives_the_same_answers(llama, tmp_path):
+    """Three answers and half of a fourth line written, as after kill -9: the rerun drops the
+    torn line and answers the rest, as the uninterrupted (sampled) run did."""
+    whole = tmp_path / "whole.jsonl"
+    run(llama, tmp_path, whole)
+    lines = whole.read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
+    assert run(llama, tmp_path, cut) == 3
+    assert answers(cut) == answers(whole)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "in.jsonl:2: not a JSON object"),
+    ('{"text": "x"}', 'expected an object with a "prompt" string'),
+    ('{"prompt": "x", "id": 1}', "id 1 already used on line 1"),
+    ('{"prompt": "x", "max_new_tokens": 0}', '"max_new_tokens" must be a positive int'),
+])
+def test_bad_requests(tmp_path, line, message):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        jsonl.read_requests(str(tmp_path / "in.jsonl"))
+
+
+def test_output_of_another_kind_is_refused(tmp_path):
+    (tmp_path / "out.jsonl").write_text('{"answer": 1}\n')
+    with pytest.raises(ValueError, match="out.jsonl:1: not an answer line"):
+        jsonl.answered_ids(str(tmp_path / "out.jsonl"))
+
+
+def test_generator_prompts_keep_their_indices(llama):
+    """iter_many's indices: a prompt draws the same answer whatever its place in this call."""
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    key = jax.random.key(2)
+    whole = dict(jaxkv.iter_many(llama, prompts, 5, temperature=1.0, key=key, batch_size=2))
+    tail = dict(jaxkv.iter_many(llama, prompts[1:], 5, temperature=1.0, key=key, batch_size=2,
+                                indices=[1, 2]))
+    assert tail == {0: whole[1], 1: whole[2]}
