@@ -91,6 +91,19 @@ def test_decode_equals_fake_quantized_forward(name):
     assert_int8_decode(params, random_tokens(1, (2, 20)), 6, 32)
 
 
+def test_one_pass_reads_its_own_tokens_quantized():
+    """extend of a whole sequence into an empty int8 cache: every position's logits equal the
+    fake-quantized forward (the call's own keys are read as the cache stores them), as
+    scripts/bench_quality.py assumes for its int8-KV perplexity."""
+    params = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(1))
+    tokens_BT = random_tokens(4, (2, 16))
+    pos_BT = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    x_BTD, _ = jaxkv.extend(params, jaxkv.init_cache(params, 2, 16, jnp.int8), tokens_BT,
+                            pos_BT, pos_BT, pos_BT[:, :, None] >= jnp.arange(16))
+    np.testing.assert_allclose(decoder.logits(params, x_BTD), reference(params, tokens_BT),
+                               atol=EXACT, rtol=0)
+
+
 def test_ragged_rows():
     """Rows prefilled to different lengths, then decoded each at its own position."""
     params = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(1))

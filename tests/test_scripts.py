@@ -19,7 +19,8 @@ RUNS = {
     "bench_branches": ["--branches", "1", "2", "--new-tokens", "4", "--prompt-len", "16"],
     "profile_step": ["--steps", "2", "--capacity", "32", "--pos", "3"],
     "bench_prefill": ["--lengths", "16", "--engines", "jaxkv", "hf", "--rounds", "1"],
-    "bench_quality": ["--tokens", "64", "--window", "32", "--formats", "fp32", "int8"],
+    "bench_quality": ["--tokens", "64", "--window", "32", "--formats", "fp32", "int8-kv",
+                      "llama.cpp-Q8_0"],
     "bench_checks": ["--models", "tiny", "--batches", "1", "--new-tokens", "4", "--rounds", "1"],
 }
 
