@@ -17,17 +17,18 @@ from jaxkv.multidecode import (Forest, Prefix, accept, accept_branch, accept_nod
 from jaxkv.params import Params, cast, init_params
 from jaxkv.quant import Int8, quantize
 from jaxkv.sampling import SamplingParams, sample, sampling_params
+from jaxkv.stops import StopStrings, stop_strings
 from jaxkv.tokenizer import apply_chat_template, chat_template, load_tokenizer
 from jaxkv.tracecount import TRACE_COUNTS as trace_counts
 
 __all__ = [
     "CheckpointError", "Config", "EncoderConfig", "Forest", "Int8", "KVCache", "OutOfRange",
-    "Params", "Prefix", "SamplingParams", "accept", "accept_branch", "accept_node",
+    "Params", "Prefix", "SamplingParams", "StopStrings", "accept", "accept_branch", "accept_node",
     "apply_chat_template", "beam_search", "build_forest", "cast", "chat_template",
     "decode_branches", "decode_step", "default_model", "default_whisper", "encode", "extend",
     "forest_logits", "forest_pass", "forward", "generate", "generate_branches", "generate_many",
     "init_cache",
     "init_params", "iter_many", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix", "prefill",
-    "quantize", "sample", "sampling_params", "save", "score_continuations", "set_value_checks",
+    "quantize", "sample", "sampling_params", "save", "score_continuations", "set_value_checks", "stop_strings",
     "trace_counts",
 ]

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv import checks
+from jaxkv import checks, stops
 from jaxkv.attention import causal_mask
 from jaxkv.cache import KVCache, init_cache
 from jaxkv.decoder import cached_pass, logits, prefill_padded
 from jaxkv.generate import eos_ids
 from jaxkv.sampling import SamplingParams, base_key, row_keys, sample, sampling_params
+from jaxkv.stops import StopStrings, no_stop_strings, stop_strings
 from jaxkv.tracecount import count_trace
 
 PIECE = 128  # prompt tokens prefilled into a row per admission call
@@ -42,14 +43,17 @@ class Rows:
     budget: jax.Array  # [B] int32: the row's prompt's max_new_tokens
     done: jax.Array  # [B] bool: not decoding (ended, idle, or its prompt still being admitted)
     tokens: jax.Array  # [B, N] int32: the answers drawn so far
+    ends: jax.Array  # [B, M] bool: the stop-string prefixes the answer ends with (stops.py)
 
 
-def empty_rows(params, batch_size: int, capacity: int, max_new_tokens: int) -> Rows:
+def empty_rows(params, batch_size: int, capacity: int, max_new_tokens: int,
+               stop_prefixes: int = 0) -> Rows:
     B, V = batch_size, params.config.vocab_size
     zeros_B = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (donated: one buffer each)
     return Rows(init_cache(params, B, capacity), jnp.zeros((B, V), jnp.float32), zeros_B(),
                 jnp.zeros((B, V), bool), row_keys(None, B), zeros_B(), zeros_B(),
-                jnp.ones((B,), bool), jnp.zeros((B, max_new_tokens), jnp.int32))
+                jnp.ones((B,), bool), jnp.zeros((B, max_new_tokens), jnp.int32),
+                jnp.zeros((B, stop_prefixes), bool))
 
 
 @functools.partial(jax.jit, donate_argnames="rows")
@@ -71,12 +75,15 @@ def admit(params, rows: Rows, row, tokens_P, length, start, key, budget) -> Rows
                         logits=rows.logits.at[row].set(logits_1V[0]),
                         pos=rows.pos.at[row].set(start + length), seen=rows.seen.at[row].set(seen_V),
                         keys=rows.keys.at[row].set(key), t=rows.t.at[row].set(0),
-                        budget=rows.budget.at[row].set(budget), done=rows.done.at[row].set(budget == 0))
+                        budget=rows.budget.at[row].set(budget), done=rows.done.at[row].set(budget == 0),
+                        ends=rows.ends.at[row].set(False))
 
 
 @functools.partial(jax.jit, donate_argnames="rows")
-def decode(params, rows: Rows, sampling: SamplingParams, eos_E, max_steps) -> Rows:
-    """Up to max_steps tokens for every decoding row; returns early once some row ends."""
+def decode(params, rows: Rows, sampling: SamplingParams, eos_E, stop: StopStrings,
+           max_steps) -> Rows:
+    """Up to max_steps tokens for every decoding row; returns early once some row ends (EOS,
+    a stop string, or its budget)."""
     count_trace("decode_rows")
     B = rows.pos.shape[0]
 
@@ -85,10 +92,11 @@ def decode(params, rows: Rows, sampling: SamplingParams, eos_E, max_steps) -> Ro
         active_B = ~rows.done
         token_B = sample(rows.logits, sampling, rows.keys, rows.t, rows.seen)
         t_B = jnp.where(active_B, rows.t, rows.tokens.shape[1])  # out of range: not recorded
-        ended_B = active_B & (jnp.isin(token_B, eos_E) | (rows.t + 1 >= rows.budget))
+        stopped_B, ends_BM = stops.step(stop, rows.ends, token_B)
+        ended_B = active_B & (jnp.isin(token_B, eos_E) | stopped_B | (rows.t + 1 >= rows.budget))
         rows = rows.replace(tokens=rows.tokens.at[jnp.arange(B), t_B].set(token_B, mode="drop"),
                             seen=rows.seen.at[jnp.arange(B), token_B].max(active_B),
-                            t=rows.t + active_B, done=rows.done | ended_B)
+                            t=rows.t + active_B, done=rows.done | ended_B, ends=ends_BM)
         going_B = ~rows.done
         pos_B1 = rows.pos[:, None]
         x_B1D, cache = cached_pass(params, rows.cache, token_B[:, None], pos_B1,
@@ -119,13 +127,17 @@ def generate_many(params, prompts: Iterable, max_new_tokens, **options) -> list[
 
 def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16,
               temperature=0.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
-              key=None, eos_id=None, max_len=None, progress=False, indices=None) -> Iterator:
+              key=None, eos_id=None, stop=None, tokenizer=None, max_len=None, progress=False,
+              indices=None) -> Iterator:
     """(prompt index, answer ids) as each prompt ends, over batch_size rows kept busy.
 
     A list or tuple of prompts sizes the cache itself (longest prompt + largest budget); other
     iterables (a generator: memory stays bounded by batch_size) need max_len, the positions one
     row may hold. key: prompt i draws with fold_in(key, indices[i]) (indices: default 0, 1, ...;
-    a resumed job passes the indices its prompts had in the whole data set)."""
+    a resumed job passes the indices its prompts had in the whole data set). eos_id: an id or
+    ids that end an answer (included in it); stop: strings that end an answer, checked on the
+    answer's text as it grows (a list with the tokenizer, or jaxkv.stop_strings tables); the
+    answer keeps the token that completed one (stops.cut cuts its text)."""
     c = params.config
     if c.is_encoder_decoder:
         raise ValueError("generate_many: encoder-decoder models are not supported (their rows "
@@ -136,7 +148,8 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
     prompts, capacity = sized(c, prompts, budgets, N, max_len)
     sampling = sampling_params(batch_size, temperature=temperature, top_k=top_k, top_p=top_p,
                                min_p=min_p, repetition_penalty=repetition_penalty)
-    schedule = Schedule(params, batch_size, capacity, N, key, indices)
+    stop = stop_tables(c, stop, tokenizer)
+    schedule = Schedule(params, batch_size, capacity, N, key, indices, stop.completes.shape[1])
     bar = Progress(len(prompts) if isinstance(prompts, (list, tuple)) else None, progress)
     eos_E = eos_ids(eos_id)
     queue = enumerate(prompts)
@@ -146,7 +159,7 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
             return
         schedule.admit_pieces()
         steps = STEPS_BETWEEN_PIECES if schedule.admitting() else N
-        schedule.rows = decode(params, schedule.rows, sampling, eos_E, jnp.int32(steps))
+        schedule.rows = decode(params, schedule.rows, sampling, eos_E, stop, jnp.int32(steps))
         for i, answer in schedule.harvest():
             bar.update(len(answer))
             yield i, answer
@@ -155,12 +168,12 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
 class Schedule:
     """The host side: which prompt each row serves, and how much of it is prefilled."""
 
-    def __init__(self, params, batch_size, capacity, N, key, indices=None):
+    def __init__(self, params, batch_size, capacity, N, key, indices=None, stop_prefixes=0):
         self.params, self.key, self.indices = params, base_key(key), indices
         if self.key.ndim != 0:
             raise ValueError(f"key must be one key (prompt i uses fold_in(key, i)), got key "
                              f"shape {self.key.shape}")
-        self.rows = empty_rows(params, batch_size, capacity, N)
+        self.rows = empty_rows(params, batch_size, capacity, N, stop_prefixes)
         self.serving = [None] * batch_size  # row -> [prompt index, ids, ids prefilled, budget]
 
     def fill(self, queue, budgets, config, capacity):
@@ -209,6 +222,16 @@ class Schedule:
         for b in ended:
             yield self.serving[b][0], tokens_BN[b, : t_B[b]].tolist()
             self.serving[b] = None
+
+
+def stop_tables(config, stop, tokenizer) -> StopStrings:
+    """StopStrings from None, built tables, or a list of strings and the tokenizer."""
+    if stop is None or isinstance(stop, StopStrings):
+        return no_stop_strings(config.vocab_size) if stop is None else stop
+    if tokenizer is None:
+        raise ValueError("stop strings need the tokenizer: pass tokenizer=, or build the "
+                         "tables once with jaxkv.stop_strings(tokenizer, stop, vocab_size)")
+    return stop_strings(tokenizer, stop, config.vocab_size)
 
 
 def budget_list(max_new_tokens):

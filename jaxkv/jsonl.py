@@ -11,6 +11,7 @@ import os
 
 import jax
 
+from jaxkv import stops
 from jaxkv.batching import iter_many
 
 
@@ -69,10 +70,11 @@ def answered_ids(path: str) -> set[str]:
 
 
 def answer_file(params, tokenizer, encode, input_path: str, output_path: str,
-                max_new_tokens: int, *, stop_ids=(), seed: int = 0, **options) -> int:
+                max_new_tokens: int, *, stop_ids=(), stop=(), seed: int = 0, **options) -> int:
     """Answers every request of input_path not yet in output_path, appending each answer as
     its prompt ends (one whole line, flushed). encode(text) -> ids makes a prompt; options go
-    to iter_many (batch_size, sampling, progress). Prompt i of the file draws with
+    to iter_many (batch_size, sampling, progress). An answer ends at a stop id or a stop
+    string; its completion is the text before them. Prompt i of the file draws with
     fold_in(key(seed), its line number), so a resumed job answers as an uninterrupted one.
     Returns how many it answered."""
     requests = read_requests(input_path)
@@ -83,13 +85,13 @@ def answer_file(params, tokenizer, encode, input_path: str, output_path: str,
     if not pending:
         return 0
     answers = iter_many(params, prompts, budgets, key=jax.random.key(seed),
-                        eos_id=list(stop_ids) or None, indices=[r["line"] for r in pending],
-                        **options)
+                        eos_id=list(stop_ids) or None, stop=list(stop) or None,
+                        tokenizer=tokenizer, indices=[r["line"] for r in pending], **options)
     with open(output_path, "a", encoding="utf-8") as out:
         for i, ids in answers:
             text_ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
-            line = {"id": pending[i]["id"], "completion": tokenizer.decode(
-                text_ids, skip_special_tokens=True), "tokens": len(ids)}
+            text = stops.cut(tokenizer.decode(text_ids, skip_special_tokens=True), stop)
+            line = {"id": pending[i]["id"], "completion": text, "tokens": len(ids)}
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
             out.flush()
     return len(pending)

@@ -88,12 +88,13 @@ def gpt2():
 def char_tokenizer(vocab_size: int):
     """A character-level tokenizer for a tiny model: vocab_size - 1 printable characters and
     <unk>."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     chars = [chr(c) for c in range(32, 32 + vocab_size - 1)]
     tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars + ["<unk>"])},
                                            unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()  # text = the tokens' characters, joined
     return tokenizer
 
 

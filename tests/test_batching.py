@@ -8,7 +8,7 @@ import pytest
 import jaxkv
 from jaxkv import batching
 from jaxkv.tracecount import TRACE_COUNTS
-from tests.conftest import ENCDEC_CONFIGS, TINY, random_tokens
+from tests.conftest import ENCDEC_CONFIGS, TINY, char_tokenizer, random_tokens
 
 EOS = 5
 LENGTHS = [3, 40, 1, 17, 90, 8, 25, 2, 60, 11, 33, 6, 70]  # 13 prompts
@@ -62,6 +62,20 @@ def test_window_model_and_prompts_admitted_in_pieces(window, monkeypatch):
     assert got == reference(window)
 
 
+def test_stop_strings_end_answers_where_the_text_first_holds_one(llama):
+    """A two-character stop string (two tokens of a character tokenizer) taken from inside one
+    answer: every answer ends at the token that completes its first occurrence, if any."""
+    tokenizer = char_tokenizer(llama.config.vocab_size)
+    plain = jaxkv.generate_many(llama, prompts(), 20, batch_size=4)
+    text = tokenizer.decode(plain[1])
+    stop = text[5:7]
+    got = jaxkv.generate_many(llama, prompts(), 20, batch_size=4, stop=[stop], tokenizer=tokenizer)
+    for ours, whole in zip(got, plain):
+        ends = [t for t in range(len(whole)) if stop in tokenizer.decode(whole[: t + 1])]
+        assert ours == (whole[: ends[0] + 1] if ends else whole)
+    assert len(got[1]) <= 7 and jaxkv.stops.cut(tokenizer.decode(got[1]), [stop]) == text[:5]
+
+
 def test_no_recompile_for_new_lengths_and_a_generator(llama):
     """After one data set, another with other prompt lengths and budgets (the largest in the
     same bucket: 17..32), given as a generator, traces nothing new."""
@@ -85,6 +99,8 @@ def test_bad_inputs(llama):
         jaxkv.generate_many(llama, [[1] * 100], 40, max_len=128)
     with pytest.raises(ValueError, match="max_seq_len"):
         jaxkv.generate_many(llama, [[1]], 4, max_len=4096)
+    with pytest.raises(ValueError, match="stop strings need the tokenizer"):
+        jaxkv.generate_many(llama, [[1]], 4, stop=["\n"])
     with pytest.raises(TypeError, match="batch_size"):
         jaxkv.generate_many(llama, [[1]], 4, batch_size=2.5)
     with pytest.raises(ValueError, match="encoder-decoder"):

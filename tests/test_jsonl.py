@@ -45,6 +45,14 @@ def test_every_request_answered_once(llama, tmp_path):
     assert run(llama, tmp_path, out) == 0  # all done: nothing to redo
 
 
+def test_completions_cut_before_a_stop_string(llama, tmp_path):
+    plain, cut = tmp_path / "plain.jsonl", tmp_path / "cut.jsonl"
+    run(llama, tmp_path, plain)
+    text = answers(plain)["1"]["completion"]
+    run(llama, tmp_path, cut, stop=[text[2:4]])
+    assert answers(cut)["1"]["completion"] == text[:2]
+
+
 def test_resume_after_a_kill_gives_the_same_answers(llama, tmp_path):
     """Three answers and half of a fourth line written, as after kill -9: the rerun drops the
     torn line and answers the rest, as the uninterrupted (sampled) run did."""
