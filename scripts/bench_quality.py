@@ -170,13 +170,19 @@ def report(args, path, rows):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(1.5 + 0.9 * len(rows), 3.8))
-    ax.bar([r["format"] for r in rows], [r["perplexity"] for r in rows], color="C0")
-    for i, r in enumerate(rows):
-        label = f"{r['perplexity']:.3f}" + (f"\n({r['vs_fp32']:.4f}x)" if r["vs_fp32"] else "")
-        ax.text(i, r["perplexity"], label, ha="center", va="bottom", fontsize=8)
+    base = rows[0]["perplexity"] / (rows[0]["vs_fp32"] or 1.0)  # fp32's, or the first row's
+    change = [100 * (r["perplexity"] / base - 1) for r in rows]
+    ax.bar([r["format"] for r in rows], change,
+           color=["C1" if r["format"].startswith("llama.cpp") else "C0" for r in rows])
+    for i, (r, y) in enumerate(zip(rows, change)):
+        ax.text(i, max(y, 0), f"{r['perplexity']:.3f}\n{y:+.2f}%", ha="center", va="bottom",
+                fontsize=7)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
     ax.tick_params(axis="x", labelsize=7, labelrotation=20)
-    ax.set(ylabel="perplexity", title=f"{result['model']}, {args.tokens} tokens of "
-           f"{TEXT.name}, windows of {args.window}")
+    ax.set_ylim(min(0, *change) - 0.1, max(1.0, *change) * 1.35)
+    ax.set(ylabel="perplexity vs fp32 (%); dashed: +1%",
+           title=f"{result['model']}, {args.tokens} tokens of {TEXT.name}, windows of "
+           f"{args.window} (perplexity, change vs fp32)")
     ax.title.set_fontsize(8)
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=110)
