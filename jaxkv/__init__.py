@@ -18,6 +18,7 @@ from jaxkv.params import Params, cast, init_params
 from jaxkv.quant import Int8, quantize
 from jaxkv.sampling import SamplingParams, sample, sampling_params
 from jaxkv.stops import StopStrings, stop_strings
+from jaxkv.stream import stream
 from jaxkv.tokenizer import apply_chat_template, chat_template, load_tokenizer
 from jaxkv.tracecount import TRACE_COUNTS as trace_counts
 
@@ -29,6 +30,6 @@ __all__ = [
     "forest_logits", "forest_pass", "forward", "generate", "generate_branches", "generate_many",
     "init_cache",
     "init_params", "iter_many", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix", "prefill",
-    "quantize", "sample", "sampling_params", "save", "score_continuations", "set_value_checks", "stop_strings",
+    "quantize", "sample", "sampling_params", "save", "score_continuations", "set_value_checks", "stop_strings", "stream",
     "trace_counts",
 ]
