@@ -23,6 +23,19 @@ def test_round_trip_error_is_at_most_half_a_step_per_row():
     assert float(jnp.abs(dequantize_rows(q.q, q.scale)[5]).max()) == 0.0
 
 
+def test_round_trip_error_is_at_most_half_a_step_per_block():
+    w_OI = jax.random.normal(jax.random.key(0), (8, 96)) * jnp.arange(1, 97)  # blocks differ
+    w_OI = w_OI.at[3, 32:64].set(0.0)  # an all-zero block stays zero
+    q = quantize_matrix(w_OI, block=32)
+    assert q.q.dtype == jnp.int8 and q.scale.shape == (8, 3)
+    err_OBK = jnp.abs(dequantize_rows(q.q, q.scale) - w_OI).reshape(8, 3, 32)
+    assert bool(jnp.all(err_OBK <= q.scale[..., None] / 2 + 1e-6))
+    assert float(jnp.abs(dequantize_rows(q.q, q.scale)[3, 32:64]).max()) == 0.0
+    per_row = quantize_matrix(w_OI)  # one scale for inputs of sizes 1 to 96: a coarser step
+    assert float(jnp.abs(dequantize_rows(per_row.q, per_row.scale) - w_OI).mean()) > \
+        float(err_OBK.mean())
+
+
 def test_per_block_scales_dequantize_block_by_block():
     q_OI = jnp.arange(-32, 32, dtype=jnp.int8).reshape(1, 64)
     scale_OB = jnp.array([[0.5, 2.0]])
@@ -31,9 +44,13 @@ def test_per_block_scales_dequantize_block_by_block():
     np.testing.assert_allclose(w_OI[0, 32:], np.arange(0, 32) * 2.0)
 
 
-@pytest.fixture(params=["llama_mqa", "gpt2"])
+@pytest.fixture(params=[("llama_mqa", None), ("gpt2", None), ("llama_gqa", 32)],
+                ids=["llama_mqa", "gpt2", "llama_gqa_block32"])
 def quantized(request):
-    return jaxkv.quantize(jaxkv.init_params(CONFIGS[request.param], jax.random.key(1)))
+    """Per-row scales (MQA with a tied int8 head, GPT-2 with biases), and one scale per 32
+    inputs (GQA; GGUF Q8_0's layout)."""
+    name, block = request.param
+    return jaxkv.quantize(jaxkv.init_params(CONFIGS[name], jax.random.key(1)), block=block)
 
 
 def test_quantize_makes_every_decoder_matrix_int8(quantized):
@@ -58,13 +75,16 @@ def test_int8_prefill_of_many_rows_equals_forward(quantized):
 
 
 def float_copies(params, hlo: str) -> list:
-    """Float arrays that compiled HLO text materialises shaped like one of params' int8
-    matrices (values inside a fused loop are not stored, so fused computations are skipped)."""
+    """Float arrays that compiled HLO text materialises holding one of params' int8 matrices:
+    shaped [O, ...] with O * I elements ([O, I], or [O, NB, I / NB] by blocks). Values inside
+    a fused loop are not stored, so fused computations are skipped."""
     shapes = {w.shape for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int8))
               if isinstance(w, Int8)}
     stored = "\n\n".join(c for c in hlo.split("\n\n") if not c.lstrip().startswith("%fused"))
-    found = set(re.findall(r"(?:f32|bf16|f16)\[(\d+),(\d+)\]", stored))
-    return sorted(s for s in shapes if tuple(map(str, s)) in found)
+    found = {tuple(map(int, dims.split(",")))
+             for dims in re.findall(r"(?:f32|bf16|f16)\[(\d+(?:,\d+)+)\]", stored)}
+    return sorted(s for s in shapes for dims in found
+                  if dims[0] == s[0] and np.prod(dims) == np.prod(s))
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -89,3 +109,15 @@ def test_quantize_names_the_kinds_it_knows():
     params = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(1))
     with pytest.raises(ValueError, match="kind must be 'int8', got 'int4'"):
         jaxkv.quantize(params, "int4")
+    with pytest.raises(ValueError, match="block must be a positive int or None, got 0"):
+        jaxkv.quantize(params, block=0)
+    with pytest.raises(ValueError, match=r"block must divide .* got block 48 for a matrix of "
+                                         r"shape \(\d+, 64\)"):
+        jaxkv.quantize(params, block=48)
+
+
+def test_float_copies_sees_a_blocked_copy():
+    """The check itself: a stored [O, NB, 32] float array of an int8 matrix is found."""
+    w = quantize_matrix(jnp.ones((8, 64)), block=32)
+    hlo = "ENTRY %main {\n  %x = f32[8,2,32]{2,1,0} convert(%q)\n}"
+    assert float_copies(w, hlo) == [(8, 64)]
