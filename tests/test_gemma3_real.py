@@ -25,14 +25,14 @@ def gemma():
 
 
 @pytest.fixture(scope="module")
-def hf_gemma():
+def hf_gemma(gemma3_hf_tokenizer):
     """(model, tokenizer), both from the GGUF; the tokenizer so that these tests need nothing
     of jaxkv's but its model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder, name = os.path.split(GGUF)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model.eval(), gemma3_hf_tokenizer
 
 
 def hf_greedy(model, ids, new_tokens):
@@ -53,6 +53,20 @@ def test_config_read_from_gguf(gemma):
     assert c.activation == "gelu_tanh" and c.logit_softcap is None and c.attn_softcap is None
 
 
+STEP = jax.jit(jaxkv.decode_step, donate_argnames="cache")  # one compile for both tests
+
+
+def greedy(gemma, ids, new_tokens):
+    """(tokens, logits [new_tokens, V]): prefill into 640 slots, then greedy decode steps."""
+    logits_BV, cache = jaxkv.prefill(gemma, jaxkv.init_cache(gemma, 1, 640), np.array([ids]))
+    tokens, logits_SV = [], []
+    for pos in range(len(ids), len(ids) + new_tokens):
+        tokens.append(int(np.argmax(logits_BV[0])))
+        logits_SV.append(np.asarray(logits_BV[0]))
+        logits_BV, cache = STEP(gemma, cache, jnp.array([tokens[-1]]), jnp.array([pos]))
+    return tokens, np.stack(logits_SV)
+
+
 def test_short_prompt_greedy_16_tokens_match_transformers(gemma, hf_gemma):
     model, tokenizer = hf_gemma
     ids = tokenizer("The capital of France is").input_ids
@@ -63,8 +77,7 @@ def test_short_prompt_greedy_16_tokens_match_transformers(gemma, hf_gemma):
     print(f"prompt of {len(ids)} tokens: max |logit diff| {diff:.2e} "
           f"(logits span {theirs_TV.min():.1f} .. {theirs_TV.max():.1f})")
     assert diff < 2e-3
-    ours, _ = jaxkv.generate(gemma, [ids], 16)
-    assert ours[0].tolist() == hf_greedy(model, ids, 16)
+    assert greedy(gemma, ids, 16)[0] == hf_greedy(model, ids, 16)
 
 
 def test_prompt_past_the_window_greedy_matches_transformers(gemma, hf_gemma):
@@ -78,13 +91,8 @@ def test_prompt_past_the_window_greedy_matches_transformers(gemma, hf_gemma):
         out = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8,
                              do_sample=False, output_logits=True, return_dict_in_generate=True)
     theirs, theirs_SV = out.sequences[0, 600:].tolist(), torch.cat(out.logits).numpy()
-    logits_BV, cache = jaxkv.prefill(gemma, jaxkv.init_cache(gemma, 1, 640), np.array([ids]))
-    step, ours, ours_SV = jax.jit(jaxkv.decode_step, donate_argnames="cache"), [], []
-    for pos in range(600, 608):
-        ours.append(int(np.argmax(logits_BV[0])))
-        ours_SV.append(np.asarray(logits_BV[0]))
-        logits_BV, cache = step(gemma, cache, jnp.array([ours[-1]]), jnp.array([pos]))
-    diff = float(np.abs(np.stack(ours_SV) - theirs_SV).max())
+    ours, ours_SV = greedy(gemma, ids, 8)
+    diff = float(np.abs(ours_SV - theirs_SV).max())
     print(f"prompt of 600 tokens, 8 greedy steps: max |logit diff| {diff:.2e}")
     assert ours == theirs
     assert diff < 2e-3

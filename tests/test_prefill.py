@@ -28,10 +28,11 @@ def prefill_in_chunks(params, cache, tokens_BT, lengths_B, start_B, chunk):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("chunk", [8, 32, 48, 512])
+@pytest.mark.parametrize("chunk", [24, 512])
 def test_chunked_prefill_equals_forward(name, chunk):
     """Ragged rows whose prompts start at different positions (3, 10, 1: the first part
-    prefilled in one pass), then 90 more tokens in chunks (512: one pass), then a decode step:
+    prefilled in one pass), then 90 more tokens in chunks (24: four passes, the last
+    one short, and under the window's ring of 40; 512: one pass), then a decode step:
     logits at each row's last token and after the step == forward (max |diff| ~1e-6)."""
     params = jaxkv.init_params(MODELS[name], jax.random.key(4))
     tokens_BT = random_tokens(7, (3, 101))

