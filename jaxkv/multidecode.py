@@ -420,7 +420,8 @@ def _beam_search(params, prefix: Prefix, eos_E, length_penalty, *, beam_size, ma
     count_trace("beam_search")
     nb, T, V = beam_size, max_new_tokens, params.config.vocab_size
     state = _Beams(
-        cache=init_cache(params, nb, T, prefix.cache.dtype), logits=jnp.broadcast_to(prefix.logits[0], (nb, V)),
+        cache=init_cache(params, nb, T, prefix.cache.dtype),
+        logits=jnp.broadcast_to(prefix.logits[0], (nb, V)),
         running=jnp.zeros((nb, T), jnp.int32),
         running_score=jnp.full((nb,), NEG).at[0].set(0.0),  # one live beam at the start
         best=jnp.zeros((nb, T), jnp.int32), best_score=jnp.full((nb,), NEG),
