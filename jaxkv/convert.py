@@ -191,6 +191,8 @@ def _int8_rows(w: quant.Int8, to_ours: Callable, what: str) -> quant.Int8:
         raise CheckpointError(f"{what}: int8 blocks can only have their rows reordered, but "
                               "this model's name map transforms the matrix otherwise; load "
                               "it without int8")
+    if np.array_equal(rows_R1[:, 0], np.arange(O)):
+        return w  # rows in place: no copy
     return quant.Int8(w.q[rows_R1[:, 0]], w.scale[rows_R1[:, 0]])
 
 
