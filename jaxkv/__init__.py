@@ -1,7 +1,7 @@
 """jaxkv: KV-cached transformer decoding in JAX."""
 
 from jaxkv.audio import load_audio, log_mel
-from jaxkv.batching import generate_many, iter_many
+from jaxkv.batching import generate_many, iter_many, iter_tokens
 from jaxkv.cache import KVCache, init_cache
 from jaxkv.checks import OutOfRange, set_value_checks
 from jaxkv.checkpoint import load, save
@@ -29,7 +29,7 @@ __all__ = [
     "decode_branches", "decode_step", "default_model", "default_whisper", "encode", "extend",
     "forest_logits", "forest_pass", "forward", "generate", "generate_branches", "generate_many",
     "init_cache",
-    "init_params", "iter_many", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix", "prefill",
+    "init_params", "iter_many", "iter_tokens", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix", "prefill",
     "quantize", "sample", "sampling_params", "save", "score_continuations", "set_value_checks", "stop_strings", "stream",
     "trace_counts",
 ]

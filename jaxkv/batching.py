@@ -62,6 +62,11 @@ def admit(params, rows: Rows, row, tokens_P, length, start, key, budget) -> Rows
     which forgets the row's last one). The row starts decoding once start + length is the
     whole prompt, i.e. when called with its last piece: the caller says so through budget > 0."""
     count_trace("admit")
+    with checks.trusted():  # row, start and length come from Schedule, which checked them
+        return _admit(params, rows, row, tokens_P, length, start, key, budget)
+
+
+def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget) -> Rows:
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)  # noqa: E731
     cache_1 = jax.tree.map(take, rows.cache)
     if cache_1.ring_pos is not None:  # a new prompt: the ring's positions are another row's
@@ -85,6 +90,12 @@ def decode(params, rows: Rows, sampling: SamplingParams, eos_E, stop: StopString
     """Up to max_steps tokens for every decoding row; returns early once some row ends (EOS,
     a stop string, or its budget)."""
     count_trace("decode_rows")
+    with checks.trusted():  # positions stay below the capacity Schedule checked
+        return _decode(params, rows, sampling, eos_E, stop, max_steps)
+
+
+def _decode(params, rows: Rows, sampling: SamplingParams, eos_E, stop: StopStrings,
+            max_steps) -> Rows:
     B = rows.pos.shape[0]
 
     def step(carry):
@@ -126,76 +137,101 @@ def generate_many(params, prompts: Iterable, max_new_tokens, **options) -> list[
 
 
 def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16,
-              temperature=0.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
-              key=None, eos_id=None, stop=None, tokenizer=None, max_len=None, progress=False,
-              indices=None) -> Iterator:
+              progress=False, **options) -> Iterator:
     """(prompt index, answer ids) as each prompt ends, over batch_size rows kept busy.
 
     A list or tuple of prompts sizes the cache itself (longest prompt + largest budget); other
     iterables (a generator: memory stays bounded by batch_size) need max_len, the positions one
-    row may hold. key: prompt i draws with fold_in(key, indices[i]) (indices: default 0, 1, ...;
-    a resumed job passes the indices its prompts had in the whole data set). eos_id: an id or
+    row may hold. Options: temperature, top_k, top_p, min_p, repetition_penalty (scalars, as
+    generate's); key: prompt i draws with fold_in(key, indices[i]) (indices: default 0, 1, ...;
+    a resumed job passes the indices its prompts had in the whole data set); eos_id: an id or
     ids that end an answer (included in it); stop: strings that end an answer, checked on the
-    answer's text as it grows (a list with the tokenizer, or jaxkv.stop_strings tables); the
+    answer's text as it grows (a list with tokenizer=, or jaxkv.stop_strings tables); the
     answer keeps the token that completed one (stops.cut cuts its text)."""
-    c = params.config
-    if c.is_encoder_decoder:
-        raise ValueError("generate_many: encoder-decoder models are not supported (their rows "
-                         "need encoder inputs); use generate")
-    batch_size = checks.int_arg(batch_size, "batch_size")
-    budgets, N = budget_list(max_new_tokens)
-    N = checks.bucket_len(N)  # the answers' buffer: a new largest budget in its bucket reuses it
-    prompts, capacity = sized(c, prompts, budgets, N, max_len)
-    sampling = sampling_params(batch_size, temperature=temperature, top_k=top_k, top_p=top_p,
-                               min_p=min_p, repetition_penalty=repetition_penalty)
-    stop = stop_tables(c, stop, tokenizer)
-    schedule = Schedule(params, batch_size, capacity, N, key, indices, stop.completes.shape[1])
-    bar = Progress(len(prompts) if isinstance(prompts, (list, tuple)) else None, progress)
-    eos_E = eos_ids(eos_id)
-    queue = enumerate(prompts)
-    while True:
-        schedule.fill(queue, budgets, c, capacity)
-        if schedule.idle():
-            return
+    schedule = Schedule(params, prompts, max_new_tokens, batch_size, **options)
+    bar = Progress(len(schedule.prompts) if isinstance(schedule.prompts, (list, tuple)) else None,
+                   progress)
+    while schedule.fill():
         schedule.admit_pieces()
-        steps = STEPS_BETWEEN_PIECES if schedule.admitting() else N
-        schedule.rows = decode(params, schedule.rows, sampling, eos_E, stop, jnp.int32(steps))
+        schedule.decode(STEPS_BETWEEN_PIECES if schedule.admitting() else schedule.N)
         for i, answer in schedule.harvest():
             bar.update(len(answer))
             yield i, answer
 
 
+def iter_tokens(params, prompt, max_new_tokens: int, *, steps: int = 1, **options) -> Iterator:
+    """One prompt's answer as it is drawn: lists of new ids, one per compiled call of up to
+    `steps` decode steps (a program with no host callback, unlike generate's on_token).
+    Options as iter_many's; the answer equals generate's for the prompt."""
+    schedule = Schedule(params, [prompt], max_new_tokens, 1, **options)
+    schedule.fill()
+    while schedule.admitting():
+        schedule.admit_pieces()
+    sent = 0
+    while True:
+        schedule.decode(steps)
+        t_B, done_B, tokens_BN = jax.device_get((schedule.rows.t, schedule.rows.done,
+                                                 schedule.rows.tokens))
+        if t_B[0] > sent:
+            yield tokens_BN[0, sent: t_B[0]].tolist()
+            sent = t_B[0]
+        if done_B[0]:
+            return
+
+
 class Schedule:
     """The host side: which prompt each row serves, and how much of it is prefilled."""
 
-    def __init__(self, params, batch_size, capacity, N, key, indices=None, stop_prefixes=0):
+    def __init__(self, params, prompts, max_new_tokens, batch_size, *, temperature=0.0,
+                 top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
+                 eos_id=None, stop=None, tokenizer=None, max_len=None, indices=None):
+        c = self.config = params.config
+        if c.is_encoder_decoder:
+            raise ValueError("generate_many: encoder-decoder models are not supported (their "
+                             "rows need encoder inputs); use generate")
+        batch_size = checks.int_arg(batch_size, "batch_size")
+        self.budgets, N = budget_list(max_new_tokens)
+        self.N = checks.bucket_len(N)  # the answers' buffer: a new budget in its bucket reuses it
+        self.prompts, self.capacity = sized(c, prompts, self.N, max_len)
+        self.queue = enumerate(self.prompts)
+        self.sampling = sampling_params(batch_size, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, min_p=min_p,
+                                        repetition_penalty=repetition_penalty)
+        self.stop, self.eos_E = stop_tables(c, stop, tokenizer), eos_ids(eos_id)
         self.params, self.key, self.indices = params, base_key(key), indices
         if self.key.ndim != 0:
             raise ValueError(f"key must be one key (prompt i uses fold_in(key, i)), got key "
                              f"shape {self.key.shape}")
-        self.rows = empty_rows(params, batch_size, capacity, N, stop_prefixes)
+        self.rows = empty_rows(params, batch_size, self.capacity, self.N,
+                               self.stop.completes.shape[1])
         self.serving = [None] * batch_size  # row -> [prompt index, ids, ids prefilled, budget]
 
-    def fill(self, queue, budgets, config, capacity):
+    def decode(self, steps: int):
+        self.rows = decode(self.params, self.rows, self.sampling, self.eos_E, self.stop,
+                           jnp.int32(steps))
+
+    def fill(self) -> bool:
+        """Gives every free row the next prompt; False once no row has work left."""
         for b, serving in enumerate(self.serving):
             if serving is None:
-                i, ids = next(queue, (None, None))
+                i, ids = next(self.queue, (None, None))
                 if i is None:
-                    return
-                if np.size(ids) == 0:
-                    raise ValueError(f"prompts[{i}] is empty: every prompt needs a token")
-                ids = checks.token_ids(config, ids, f"prompts[{i}]", 1)
-                budget = budgets(i)
-                if ids.shape[0] + budget > capacity:
-                    raise ValueError(f"prompts[{i}]: {ids.shape[0]} tokens + max_new_tokens "
-                                     f"{budget} > max_len ({capacity})")
-                self.serving[b] = [i, np.asarray(ids, np.int32), 0, budget]
+                    break
+                self.serving[b] = [i, self.checked(i, ids), 0, self.budgets(i)]
+        return not all(s is None for s in self.serving)
+
+    def checked(self, i, ids):
+        """Prompt i's ids, which must fit a row with its budget."""
+        if np.size(ids) == 0:
+            raise ValueError(f"prompts[{i}] is empty: every prompt needs a token")
+        ids = np.asarray(checks.token_ids(self.config, ids, f"prompts[{i}]", 1), np.int32)
+        if ids.shape[0] + self.budgets(i) > self.capacity:
+            raise ValueError(f"prompts[{i}]: {ids.shape[0]} tokens + max_new_tokens "
+                             f"{self.budgets(i)} > max_len ({self.capacity})")
+        return ids
 
     def admitting(self):
         return any(s is not None and s[2] < len(s[1]) for s in self.serving)
-
-    def idle(self):
-        return all(s is None for s in self.serving)
 
     def admit_pieces(self):
         """One piece of every prompt being admitted."""
@@ -252,7 +288,7 @@ def budget_list(max_new_tokens):
     return lambda i: n, n
 
 
-def sized(config, prompts, budgets, N, max_len):
+def sized(config, prompts, N, max_len):
     """(prompts, cache capacity): a list sizes it; other iterables need max_len."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
         raise TypeError(f"prompts must be an iterable of token-id lists, got "

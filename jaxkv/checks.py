@@ -10,6 +10,7 @@ the caller (as a jax.errors.JaxRuntimeError carrying that message) when the resu
 checks out.
 """
 
+import contextlib
 import logging
 import operator
 import os
@@ -32,6 +33,19 @@ def set_value_checks(enabled: bool) -> None:
     program, so JAX's caches are cleared: every function traces again with the new setting."""
     _VALUE_CHECKS["on"] = bool(enabled)
     jax.clear_caches()
+
+
+@contextlib.contextmanager
+def trusted():
+    """Traces without compiled value checks: for a loop whose positions and slots it makes
+    itself (they are checked where they come in). Such a program has no host callback, so
+    JAX's persistent compilation cache can keep it."""
+    was = _VALUE_CHECKS["on"]
+    _VALUE_CHECKS["on"] = False
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS["on"] = was
 
 
 class _HideCheckTraceback(logging.Filter):

@@ -106,3 +106,21 @@ def test_bad_inputs(llama):
     with pytest.raises(ValueError, match="encoder-decoder"):
         t5 = jaxkv.init_params(ENCDEC_CONFIGS["t5_relu"], jax.random.key(0))
         jaxkv.generate_many(t5, [[1]], 4)
+
+
+def test_iter_tokens_streams_generate_answer_without_callbacks(llama, window):
+    """One prompt's answer in pieces of up to 3 steps, equal to generate's; the compiled
+    programs hold no host callback (so JAX's persistent compilation cache can keep them), not
+    even a sliding-window model's, whose ring is value-checked in decode_step."""
+    options = dict(temperature=0.8, top_p=0.9, key=jax.random.key(4))
+    pieces = list(jaxkv.iter_tokens(llama, prompts()[4], 10, steps=3, **options))
+    tokens, _ = jaxkv.generate(llama, [prompts()[4]], 10, **options)
+    assert [len(p) for p in pieces] == [3, 3, 3, 1]
+    assert sum(pieces, []) == tokens[0].tolist()
+    s = batching.Schedule(window, [prompts()[4]], 10, 1)
+    programs = [batching.decode.lower(window, s.rows, s.sampling, s.eos_E, s.stop, 3),
+                batching.admit.lower(window, s.rows, 0, np.zeros(batching.PIECE, np.int32), 5,
+                                     0, s.prompt_key(0), 10)]
+    assert not any("callback" in p.as_text() for p in programs)
+    step = jax.jit(jaxkv.decode_step).lower(window, s.rows.cache, s.rows.pos, s.rows.pos)
+    assert "callback" in step.as_text()  # what the check would find

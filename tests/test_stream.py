@@ -1,8 +1,5 @@
 """stream: the answer's text in pieces as the compiled loop draws it, equal to generate's."""
 
-import threading
-import time
-
 import jax
 
 import jaxkv
@@ -17,6 +14,7 @@ def test_pieces_join_to_generate_text(llama):
     tokens, _ = jaxkv.generate(llama, [tokenizer.encode("Hello").ids], 12, **options)
     whole = tokenizer.decode(tokens[0].tolist())
     assert "".join(pieces) == whole and len(pieces) > 3
+    assert len(list(jaxkv.stream(llama, tokenizer, "Hello", 12, steps=4, **options))) <= 3
 
 
 def test_stops_before_a_stop_string(llama):
@@ -27,12 +25,9 @@ def test_stops_before_a_stop_string(llama):
         whole, [stop])
 
 
-def test_leaving_early_ends_the_generation(llama):
+def test_stops_at_an_end_id(llama):
     tokenizer = char_tokenizer(llama.config.vocab_size)
-    before = threading.active_count()
-    for _ in jaxkv.stream(llama, tokenizer, "Hello", 100):
-        break
-    deadline = time.time() + 30
-    while threading.active_count() > before and time.time() < deadline:
-        time.sleep(0.1)
-    assert threading.active_count() == before
+    whole = "".join(jaxkv.stream(llama, tokenizer, "Hello", 16))
+    k = next(k for k in range(1, len(whole)) if whole[k] not in whole[:k])  # its first time
+    end = tokenizer.token_to_id(whole[k])
+    assert "".join(jaxkv.stream(llama, tokenizer, "Hello", 16, eos_id=end)) == whole[:k]
