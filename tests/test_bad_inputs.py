@@ -224,8 +224,8 @@ def test_decoder_only_model_with_cross_kv(params):
     (dict(batch_size=0, max_len=16), ValueError, "batch_size must be a positive int, got 0"),
     (dict(batch_size=1.5, max_len=16), TypeError, r"batch_size must be a positive int, got 1.5"),
     (dict(batch_size=True, max_len=16), TypeError, "batch_size must be a positive int, got True"),
-    (dict(batch_size=1, max_len=16, dtype=jnp.int8), ValueError,
-     r"init_cache: dtype must be a float dtype \(float32, bfloat16, float16\), got int8"),
+    (dict(batch_size=1, max_len=16, dtype=jnp.int16), ValueError,
+     r"init_cache: dtype must be a float dtype \(float32, bfloat16, float16\) or int8, got int16"),
 ])
 def test_init_cache_arguments(params, kwargs, error, match):
     with pytest.raises(error, match=match):
