@@ -165,18 +165,7 @@ def iter_tokens(params, prompt, max_new_tokens: int, *, steps: int = 1, **option
     Options as iter_many's; the answer equals generate's for the prompt."""
     schedule = Schedule(params, [prompt], max_new_tokens, 1, **options)
     schedule.fill()
-    while schedule.admitting():
-        schedule.admit_pieces()
-    sent = 0
-    while True:
-        schedule.decode(steps)
-        t_B, done_B, tokens_BN = jax.device_get((schedule.rows.t, schedule.rows.done,
-                                                 schedule.rows.tokens))
-        if t_B[0] > sent:
-            yield tokens_BN[0, sent: t_B[0]].tolist()
-            sent = t_B[0]
-        if done_B[0]:
-            return
+    yield from schedule.stream(steps)
 
 
 class Schedule:
@@ -193,6 +182,9 @@ class Schedule:
         self.budgets, N = budget_list(max_new_tokens)
         self.N = checks.bucket_len(N)  # the answers' buffer: a new budget in its bucket reuses it
         self.prompts, self.capacity = sized(c, prompts, self.N, max_len)
+        self.limit = (f"max_len ({self.capacity})" if max_len is not None else
+                      f"the model's max_seq_len ({self.capacity})"
+                      if self.capacity == c.max_seq_len else f"the cache's {self.capacity}")
         self.queue = enumerate(self.prompts)
         self.sampling = sampling_params(batch_size, temperature=temperature, top_k=top_k,
                                         top_p=top_p, min_p=min_p,
@@ -225,10 +217,27 @@ class Schedule:
         if np.size(ids) == 0:
             raise ValueError(f"prompts[{i}] is empty: every prompt needs a token")
         ids = np.asarray(checks.token_ids(self.config, ids, f"prompts[{i}]", 1), np.int32)
-        if ids.shape[0] + self.budgets(i) > self.capacity:
-            raise ValueError(f"prompts[{i}]: {ids.shape[0]} tokens + max_new_tokens "
-                             f"{self.budgets(i)} > max_len ({self.capacity})")
+        n, budget = ids.shape[0], self.budgets(i)
+        if n + budget > self.capacity:
+            raise ValueError(f"prompts[{i}]: {n} tokens + max_new_tokens {budget} = "
+                             f"{n + budget} positions, more than {self.limit}")
         return ids
+
+    def stream(self, steps: int) -> Iterator:
+        """Row 0's prompt admitted, then its answer: lists of new ids, one per decode call."""
+        while self.admitting():
+            self.admit_pieces()
+        sent = 0
+        while True:
+            self.decode(steps)
+            t_B, done_B, tokens_BN = jax.device_get((self.rows.t, self.rows.done,
+                                                     self.rows.tokens))
+            if t_B[0] > sent:
+                yield tokens_BN[0, sent: t_B[0]].tolist()
+                sent = t_B[0]
+            if done_B[0]:
+                self.serving[0] = None
+                return
 
     def admitting(self):
         return any(s is not None and s[2] < len(s[1]) for s in self.serving)
@@ -286,6 +295,11 @@ def budget_list(max_new_tokens):
         return budget, max(values)
     n = checks.int_arg(max_new_tokens, "max_new_tokens")
     return lambda i: n, n
+
+
+def capacity_for(config, prompts, max_new_tokens, max_len=None) -> int:
+    """The positions each row's cache holds for these prompts (see iter_many)."""
+    return sized(config, prompts, checks.bucket_len(budget_list(max_new_tokens)[1]), max_len)[1]
 
 
 def sized(config, prompts, N, max_len):

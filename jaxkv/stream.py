@@ -2,7 +2,8 @@
 
 The answer is drawn by batching.iter_tokens, compiled calls of a few decode steps each that
 hand their new ids back (no host callback), and turned into text pieces as they come, holding
-back an incomplete UTF-8 character. Leaving the loop early stops the generation.
+back an incomplete UTF-8 character and text a stop string may still complete. Leaving the loop
+early stops the generation.
 """
 
 from jaxkv import stops
@@ -16,19 +17,39 @@ def stream(params, tokenizer, prompt, max_new_tokens: int = 256, *, stop=(), **o
     yielded, or after max_new_tokens. Options: iter_tokens' (sampling, key, steps, max_len)."""
     ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
     eos = options.setdefault("eos_id", list(params.config.end_ids) or None)
-    ends = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
-    stop = list(stop)
-    hold = max(map(len, stop), default=1) - 1  # text a stop string may still complete
-    answer, sent = [], 0
-    for new in iter_tokens(params, ids, max_new_tokens, stop=stop or None, tokenizer=tokenizer,
-                           **options):
-        answer += [t for t in new if t not in ends]
-        text = tokenizer.decode(answer, skip_special_tokens=True)
+    text = Text(tokenizer, [] if eos is None else [eos] if isinstance(eos, int) else eos, stop)
+    for new in iter_tokens(params, ids, max_new_tokens, stop=text.stop or None,
+                           tokenizer=tokenizer, **options):
+        if piece := text.add(new):
+            yield piece
+    if piece := text.finish():
+        yield piece
+
+
+class Text:
+    """An answer's text as its ids arrive: add(ids) and finish() return what may be shown."""
+
+    def __init__(self, tokenizer, end_ids=(), stop=()):
+        self.tokenizer, self.ends, self.stop = tokenizer, set(end_ids), list(stop)
+        self.hold = max(map(len, self.stop), default=1) - 1  # a stop string may still form
+        self.ids, self.sent = [], 0
+
+    def add(self, ids) -> str:
+        self.ids += [t for t in ids if t not in self.ends]
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         # whole characters, none that a stop string holds or may still complete
-        ready = min(len(text) - hold, len(stops.cut(text, stop).rstrip("\ufffd")))
-        if ready > sent:
-            yield text[sent:ready]
-            sent = ready
-    text = stops.cut(tokenizer.decode(answer, skip_special_tokens=True), stop)
-    if len(text) > sent:
-        yield text[sent:]
+        ready = min(len(text) - self.hold, len(stops.cut(text, self.stop).rstrip("\ufffd")))
+        return self._send(text, ready)
+
+    def finish(self) -> str:
+        text = stops.cut(self.tokenizer.decode(self.ids, skip_special_tokens=True), self.stop)
+        return self._send(text, len(text))
+
+    @staticmethod
+    def cut(text: str, stop) -> str:
+        return stops.cut(text, stop)
+
+    def _send(self, text, ready) -> str:
+        piece = text[self.sent: ready] if ready > self.sent else ""
+        self.sent = max(self.sent, ready)
+        return piece

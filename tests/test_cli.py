@@ -5,6 +5,7 @@ code 1, never a traceback."""
 import dataclasses
 import importlib.util
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -174,3 +175,53 @@ def test_main_job_on_the_default_model():
     result = run_cli("generate", "What is the capital of France?", "--max-new-tokens", "16")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout and "tokens/s, time to first token" in result.stdout
+
+
+def test_help_shows_defaults_and_every_sampling_flag():
+    help_text = " ".join(cli.parser()._subparsers._group_actions[0].choices["generate"]
+                         .format_help().split())
+    for flag in ("--min-p", "--repetition-penalty", "--stop", "--dtype", "--batch-size",
+                 "--input", "--output", "--compile-cache"):
+        assert flag in help_text
+    assert "(default: 256)" in help_text and "(default: float32)" in help_text
+
+
+def test_jsonl_job_killed_and_resumed_answers_each_once(tiny_model_dir, tmp_path):
+    """kill -9 once the first answers are out, then the same command again: every request
+    answered once, as an uninterrupted run answers them (sampled, so keys must follow ids)."""
+    import signal
+    import time
+
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n"
+                                for i in range(12)))
+    argv = [sys.executable, "-m", "jaxkv.cli", "generate", "--model", str(tiny_model_dir),
+            "--input", str(requests), "--max-new-tokens", "60", "--batch-size", "2",
+            "--temperature", "0.9", "--compile-cache", str(tmp_path / "xla"), "--output"]
+    whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
+    assert subprocess.run(argv + [str(whole)], capture_output=True, timeout=600).returncode == 0
+    job = subprocess.Popen(argv + [str(cut)], stderr=subprocess.DEVNULL)
+    while job.poll() is None and (not cut.exists() or cut.read_text().count("\n") < 2):
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    assert 2 <= cut.read_text().count("\n") < 12  # cut short
+    assert subprocess.run(argv + [str(cut)], capture_output=True, timeout=600).returncode == 0
+    answers = lambda path: {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}  # noqa: E731
+    assert len(cut.read_text().splitlines()) == 12 and answers(cut) == answers(whole)
+    assert os.listdir(tmp_path / "xla")  # the compiled programs were kept
+
+
+def test_chat_keeps_the_cache_between_turns(tmp_path, llama):
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}|{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    path = tmp_path / "chatty"
+    jaxkv.save(llama, path, tokenizer=char_tokenizer(llama.config.vocab_size),
+               chat_template=template)
+    result = subprocess.run([sys.executable, "-m", "jaxkv.cli", "chat", "--model", str(path),
+                             "--max-new-tokens", "5", "--compile-cache", "off"],
+                            input="Hi\nAnd then?\n", capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    counts = [line for line in result.stderr.splitlines() if line.startswith("[prefilled")]
+    (new1, total1), (new2, total2) = [map(int, re.findall(r"\d+", line)[:2]) for line in counts]
+    assert new1 == total1 and total2 - new2 >= total1  # the first turn's prompt was kept
