@@ -95,10 +95,13 @@ def test_bad_inputs(llama):
         jaxkv.generate_many(llama, [[1, 2], []], 4)
     with pytest.raises(ValueError, match=r"max_new_tokens has 2 values"):
         jaxkv.generate_many(llama, [[1], [2], [3]], [4, 4])
-    with pytest.raises(ValueError, match=r"prompts\[0\]: 100 tokens \+ max_new_tokens 40"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: 100 tokens \+ max_new_tokens 40 = 140 "
+                       r"positions, more than max_len \(128\)"):
         jaxkv.generate_many(llama, [[1] * 100], 40, max_len=128)
     with pytest.raises(ValueError, match="max_seq_len"):
         jaxkv.generate_many(llama, [[1]], 4, max_len=4096)
+    with pytest.raises(ValueError, match=r"more than the model's max_seq_len \(128\)"):
+        jaxkv.generate_many(llama, [[1] * 100], 40)
     with pytest.raises(ValueError, match="stop strings need the tokenizer"):
         jaxkv.generate_many(llama, [[1]], 4, stop=["\n"])
     with pytest.raises(TypeError, match="batch_size"):
