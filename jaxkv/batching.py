@@ -23,7 +23,7 @@ from jaxkv.cache import KVCache, init_cache
 from jaxkv.decoder import cached_pass, logits, prefill_padded
 from jaxkv.generate import eos_ids
 from jaxkv.sampling import SamplingParams, base_key, row_keys, sample, sampling_params
-from jaxkv.stops import StopStrings, no_stop_strings, stop_strings
+from jaxkv.stops import StopStrings
 from jaxkv.tracecount import count_trace
 
 PIECE = 128  # prompt tokens prefilled into a row per admission call
@@ -189,7 +189,7 @@ class Schedule:
         self.sampling = sampling_params(batch_size, temperature=temperature, top_k=top_k,
                                         top_p=top_p, min_p=min_p,
                                         repetition_penalty=repetition_penalty)
-        self.stop, self.eos_E = stop_tables(c, stop, tokenizer), eos_ids(eos_id)
+        self.stop, self.eos_E = stops.tables(c, stop, tokenizer), eos_ids(eos_id)
         self.params, self.key, self.indices = params, base_key(key), indices
         if self.key.ndim != 0:
             raise ValueError(f"key must be one key (prompt i uses fold_in(key, i)), got key "
@@ -267,16 +267,6 @@ class Schedule:
         for b in ended:
             yield self.serving[b][0], tokens_BN[b, : t_B[b]].tolist()
             self.serving[b] = None
-
-
-def stop_tables(config, stop, tokenizer) -> StopStrings:
-    """StopStrings from None, built tables, or a list of strings and the tokenizer."""
-    if stop is None or isinstance(stop, StopStrings):
-        return no_stop_strings(config.vocab_size) if stop is None else stop
-    if tokenizer is None:
-        raise ValueError("stop strings need the tokenizer: pass tokenizer=, or build the "
-                         "tables once with jaxkv.stop_strings(tokenizer, stop, vocab_size)")
-    return stop_strings(tokenizer, stop, config.vocab_size)
 
 
 def budget_list(max_new_tokens):

@@ -11,10 +11,11 @@ import numpy as np
 from flax import struct
 from jax.experimental import io_callback
 
-from jaxkv import checks
+from jaxkv import checks, stops
 from jaxkv.cache import KVCache, init_cache
 from jaxkv.decoder import decode_step, prefill_padded
 from jaxkv.sampling import SamplingParams, row_keys, sample, sampling_params
+from jaxkv.stops import StopStrings
 from jaxkv.sharding import constrain_cache, shard_params, shard_rows
 from jaxkv.tracecount import count_trace
 
@@ -104,7 +105,9 @@ class _Decoding:
     logits: jax.Array  # [B, V] float32, for the next token
     pos: jax.Array  # [B] int32, where the next token goes
     seen: jax.Array  # [B, V] bool, tokens the repetition penalty applies to
-    done: jax.Array  # [B] bool, the row has emitted EOS
+    done: jax.Array  # [B] bool, the row has ended (an EOS id or a stop string)
+    length: jax.Array  # [B] int32, the row's answer length (max_new_tokens until it ends)
+    ends: jax.Array  # [B, M] bool, the stop-string prefixes the answer ends with (stops.py)
     tokens: jax.Array  # [max_new_tokens, B] int32, pad_id where not yet drawn
     t: jax.Array  # int32, the index of the next token
 
@@ -112,7 +115,8 @@ class _Decoding:
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token", "mesh",
                                              "kv_dtype"))
 def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id,
-                  suppress_V, begin_suppress_V, encoder_inputs=None, encoder_lengths=None, *,
+                  suppress_V, begin_suppress_V, stop: StopStrings, encoder_inputs=None,
+                  encoder_lengths=None, *,
                   max_new_tokens: int, capacity: int, on_token=None, mesh=None, kv_dtype=None):
     """The compiled program behind generate: (encoder and cross K/V,) prefill, then a while
     loop of sample + decode_step that stops when every row has ended."""
@@ -128,19 +132,22 @@ def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B
     prompt_BT = jnp.where(jnp.arange(T) < lengths_B[:, None], tokens_BT, V)
     seen_BV = jnp.zeros((B, V), bool).at[rows_B1, prompt_BT].set(True, mode="drop")
     state = _Decoding(constrain_cache(cache, mesh), logits_BV, lengths_B, seen_BV,
-                      jnp.zeros((B,), bool), jnp.full((max_new_tokens, B), pad_id, jnp.int32),
-                      jnp.int32(0))
+                      jnp.zeros((B,), bool), jnp.full((B,), max_new_tokens, jnp.int32),
+                      jnp.zeros((B, stop.completes.shape[1]), bool),
+                      jnp.full((max_new_tokens, B), pad_id, jnp.int32), jnp.int32(0))
 
     def draw(s: _Decoding) -> _Decoding:
-        """Token s.t of every row (pad_id after its EOS), recorded; logits and cache unchanged."""
+        """Token s.t of every row (pad_id after its end), recorded; logits and cache unchanged."""
         banned_V = suppress_V | (begin_suppress_V & (s.t == 0))
         logits_BV = jnp.where(banned_V, -jnp.inf, s.logits)
         token_B = jnp.where(s.done, pad_id, sample(logits_BV, sampling, keys_B, s.t, s.seen))
         if on_token is not None:
             io_callback(on_token, None, token_B, ordered=True)
+        stopped_B, ends_BM = stops.step(stop, s.ends, token_B)
+        ended_B = ~s.done & (jnp.isin(token_B, eos_E) | stopped_B)
         return s.replace(seen=s.seen.at[rows_B1[:, 0], token_B].set(True),
-                         done=s.done | jnp.isin(token_B, eos_E),
-                         tokens=s.tokens.at[s.t].set(token_B), t=s.t + 1)
+                         done=s.done | ended_B, length=jnp.where(ended_B, s.t + 1, s.length),
+                         ends=ends_BM, tokens=s.tokens.at[s.t].set(token_B), t=s.t + 1)
 
     def step(s: _Decoding) -> _Decoding:
         s = draw(s)
@@ -150,10 +157,8 @@ def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B
     # The last token needs no decode step after it; nor does anything once every row has ended.
     state = jax.lax.while_loop(lambda s: (s.t < max_new_tokens - 1) & ~jnp.all(s.done), step,
                                state)
-    tokens_BT = draw(state).tokens.T
-    is_eos_BT = jnp.isin(tokens_BT, eos_E)
-    lengths_B = jnp.where(is_eos_BT.any(-1), jnp.argmax(is_eos_BT, -1) + 1, max_new_tokens)
-    return tokens_BT, lengths_B.astype(jnp.int32)
+    state = draw(state)
+    return state.tokens.T, state.length
 
 
 def generate(params, prompts, max_new_tokens: int, **options):
@@ -163,8 +168,10 @@ def generate(params, prompts, max_new_tokens: int, **options):
     temperature (0: greedy), top_k, top_p, min_p, repetition_penalty: scalars or per-row [B]
     sequences, None meaning off; key: one key (row b uses fold_in(key, b)) or [B] keys;
     eos_id: an id or a list of ids; after a row's EOS its tokens are pad_id (default: the first
-    EOS id) and its length counts the EOS; max_len: the cache capacity (default: prompt bucket +
-    max_new_tokens); on_token(token [B]): called from inside the compiled loop for each token
+    EOS id) and its length counts the EOS; stop: strings that end a row (with tokenizer=, or
+    jaxkv.stop_strings tables), checked on token ids in the loop: the row's length counts the
+    token that completed one (jaxkv.stops.cut cuts the text); max_len: the cache capacity
+    (default: prompt bucket + max_new_tokens); on_token(token [B]): called from inside the compiled loop for each token
     drawn (generation stops early once every row has ended);
     mesh: a jax.sharding.Mesh with axes ("data", "model") (see jaxkv.sharding.make_mesh): rows
     are split over "data", heads / MLP width / vocabulary over "model"; kv_dtype: the cache's
@@ -214,7 +221,7 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
                   top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                   eos_id=None, pad_id=None, max_len=None, on_token=None, encoder_inputs=None,
                   encoder_lengths=None, suppress_ids=None, begin_suppress_ids=None, mesh=None,
-                  kv_dtype=None):
+                  kv_dtype=None, stop=None, tokenizer=None):
     """Validated (args, static kwargs) for generate_loop; lets callers compile ahead of time."""
     c = params.config
     tokens_BT, lengths_B = prepare_prompts(c, prompts, lengths)
@@ -240,7 +247,8 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
         params = shard_params(params, mesh)
         rows = jax.tree.map(lambda x: shard_rows(x, mesh), rows)
         encoder = jax.tree.map(lambda x: shard_rows(x, mesh), encoder)
-    args = (params, *rows, eos_E, jnp.int32(pad_id), suppress_V, begin_V, *encoder)
+    args = (params, *rows, eos_E, jnp.int32(pad_id), suppress_V, begin_V,
+            stops.tables(c, stop, tokenizer), *encoder)
     on_token = None if on_token is None else RaisedInCallback(on_token)
     kv_dtype = None if kv_dtype is None else checks.kv_dtype(kv_dtype, "kv_dtype")
     return args, dict(max_new_tokens=max_new_tokens, capacity=capacity, on_token=on_token,

@@ -48,6 +48,16 @@ def stop_strings(tokenizer, texts, vocab_size: int) -> StopStrings:
                        jnp.asarray(extends), tuple(texts))
 
 
+def tables(config, stop, tokenizer=None) -> StopStrings:
+    """StopStrings from None (none), built tables, or a list of strings with the tokenizer."""
+    if stop is None or isinstance(stop, StopStrings):
+        return no_stop_strings(config.vocab_size) if stop is None else stop
+    if tokenizer is None:
+        raise ValueError("stop strings need the tokenizer: pass tokenizer=, or build the "
+                         "tables once with jaxkv.stop_strings(tokenizer, stop, vocab_size)")
+    return stop_strings(tokenizer, stop, config.vocab_size)
+
+
 def no_stop_strings(vocab_size: int) -> StopStrings:
     """Tables that never stop (M = 0)."""
     return StopStrings(jnp.zeros((vocab_size,), bool), jnp.zeros((vocab_size, 0), bool),

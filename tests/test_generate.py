@@ -8,6 +8,7 @@ import pytest
 
 import jaxkv
 from jaxkv.sampling import row_keys, sample, sampling_params
+from tests.conftest import char_tokenizer
 
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2], [11], [3, 3, 60, 12, 40]]
 
@@ -142,3 +143,20 @@ def test_generate_beyond_learned_positions_is_an_error(gpt2):
 def test_max_new_tokens_must_be_positive(llama):
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
         jaxkv.generate(llama, [[1]], 0)
+
+
+def test_stop_strings_end_rows_where_their_text_first_holds_one(llama):
+    """A stop string of two characters (two tokens of a character tokenizer): each row's
+    length ends at the token completing its first occurrence, later tokens are pad_id."""
+    tokenizer = char_tokenizer(llama.config.vocab_size)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    plain, _ = jaxkv.generate(llama, prompts, 16)
+    text = tokenizer.decode(plain[0].tolist())
+    stop = text[6:8]
+    tokens, lengths = jaxkv.generate(llama, prompts, 16, stop=[stop], tokenizer=tokenizer,
+                                     pad_id=0)
+    for row, whole, n in zip(tokens.tolist(), plain.tolist(), lengths.tolist()):
+        ends = [t for t in range(16) if stop in tokenizer.decode(whole[: t + 1])]
+        assert n == (ends[0] + 1 if ends else 16)
+        assert row[:n] == whole[:n] and row[n:] == [0] * (16 - n)
+    assert lengths[0] <= 8
