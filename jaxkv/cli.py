@@ -143,7 +143,7 @@ def enable_compile_cache(directory: str) -> None:
 
     os.makedirs(directory, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small ones add up
 
 
 def prompt_ids(path, config, tokenizer, prompt: str, use_chat: bool) -> list[int]:
