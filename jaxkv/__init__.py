@@ -24,12 +24,12 @@ from jaxkv.tracecount import TRACE_COUNTS as trace_counts
 
 __all__ = [
     "CheckpointError", "Config", "EncoderConfig", "Forest", "Int8", "KVCache", "OutOfRange",
-    "Params", "Prefix", "SamplingParams", "StopStrings", "accept", "accept_branch", "accept_node",
-    "apply_chat_template", "beam_search", "build_forest", "cast", "chat_template",
-    "decode_branches", "decode_step", "default_model", "default_whisper", "encode", "extend",
-    "forest_logits", "forest_pass", "forward", "generate", "generate_branches", "generate_many",
-    "init_cache",
-    "init_params", "iter_many", "iter_tokens", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix", "prefill",
-    "quantize", "sample", "sampling_params", "save", "score_continuations", "set_value_checks", "stop_strings", "stream",
-    "trace_counts",
+    "Params", "Prefix", "SamplingParams", "StopStrings", "accept", "accept_branch",
+    "accept_node", "apply_chat_template", "beam_search", "build_forest", "cast",
+    "chat_template", "decode_branches", "decode_step", "default_model", "default_whisper",
+    "encode", "extend", "forest_logits", "forest_pass", "forward", "generate",
+    "generate_branches", "generate_many", "init_cache", "init_params", "iter_many",
+    "iter_tokens", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix", "prefill",
+    "quantize", "sample", "sampling_params", "save", "score_continuations", "set_value_checks",
+    "stop_strings", "stream", "trace_counts",
 ]

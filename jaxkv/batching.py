@@ -78,10 +78,10 @@ def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget) -> Row
     seen_V = (rows.seen[row] & (start > 0)).at[prompt_P].set(True, mode="drop")
     return rows.replace(cache=jax.tree.map(put, rows.cache, cache_1),
                         logits=rows.logits.at[row].set(logits_1V[0]),
-                        pos=rows.pos.at[row].set(start + length), seen=rows.seen.at[row].set(seen_V),
-                        keys=rows.keys.at[row].set(key), t=rows.t.at[row].set(0),
-                        budget=rows.budget.at[row].set(budget), done=rows.done.at[row].set(budget == 0),
-                        ends=rows.ends.at[row].set(False))
+                        pos=rows.pos.at[row].set(start + length),
+                        seen=rows.seen.at[row].set(seen_V), keys=rows.keys.at[row].set(key),
+                        t=rows.t.at[row].set(0), budget=rows.budget.at[row].set(budget),
+                        done=rows.done.at[row].set(budget == 0), ends=rows.ends.at[row].set(False))
 
 
 @functools.partial(jax.jit, donate_argnames="rows")

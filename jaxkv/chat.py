@@ -7,8 +7,9 @@ the whole conversation.
 """
 
 from jaxkv.batching import Schedule
+from jaxkv.stops import cut
 from jaxkv.stream import Text
-from jaxkv.tokenizer import apply_chat_template
+from jaxkv.tokenizer import render_chat
 
 
 class Chat:
@@ -45,13 +46,10 @@ class Chat:
         self.cached = ids + answer[:-1]  # the last id drawn was never run through the model
         reply = self.tokenizer.decode([t for t in answer if t not in self.ends],
                                       skip_special_tokens=True)
-        self.messages.append({"role": "assistant", "content": Text.cut(reply, self.stop)})
+        self.messages.append({"role": "assistant", "content": cut(reply, self.stop)})
 
     def render(self) -> str:
-        name = lambda i: "" if i is None else self.tokenizer.id_to_token(i)  # noqa: E731
-        c = self.params.config
-        return apply_chat_template(self.template, self.messages, bos_token=name(c.bos_id),
-                                   eos_token=name(c.eos_id))
+        return render_chat(self.template, self.params.config, self.tokenizer, self.messages)
 
     def reusable(self, ids) -> int:
         """How many leading ids the cache holds already (at least one id is run again, for the

@@ -148,23 +148,15 @@ def enable_compile_cache(directory: str) -> None:
 
 def prompt_ids(path, config, tokenizer, prompt: str, use_chat: bool) -> list[int]:
     import jaxkv
+    from jaxkv.tokenizer import render_chat
 
     template = jaxkv.chat_template(path) if use_chat else None
     if template:
-        prompt = render(template, config, tokenizer, [{"role": "user", "content": prompt}])
+        prompt = render_chat(template, config, tokenizer, [{"role": "user", "content": prompt}])
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise ValueError("the prompt is empty")
     return ids
-
-
-def render(template, config, tokenizer, messages) -> str:
-    """messages rendered with the model's chat template, ready for the assistant's turn."""
-    import jaxkv
-
-    name = lambda i: "" if i is None else tokenizer.id_to_token(i)  # noqa: E731
-    return jaxkv.apply_chat_template(template, messages, bos_token=name(config.bos_id),
-                                     eos_token=name(config.eos_id))
 
 
 def sampling_options(args) -> dict:
@@ -236,7 +228,9 @@ def run_file(args, path, params, tokenizer) -> None:
     """--input / --output: every request answered once, appended as it ends."""
     from jaxkv import jsonl
 
-    encode = lambda text: prompt_ids(path, params.config, tokenizer, text, not args.no_chat)  # noqa: E731
+    def encode(text):
+        return prompt_ids(path, params.config, tokenizer, text, not args.no_chat)
+
     status(f"answering {args.input} into {args.output}, {args.batch_size} rows at a time")
     n = jsonl.answer_file(params, tokenizer, encode, args.input, args.output, args.max_new_tokens,
                           stop_ids=list(params.config.end_ids), stop=args.stop,
@@ -322,8 +316,9 @@ def add_model_flags(cmd) -> None:
     cmd.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="end the answer before TEXT (repeatable); the model's end-of-turn "
                           "tokens always end it")
-    cmd.add_argument("--seed", type=int, default=0, help="sampling key: prompt i of --input "
-                                                            "draws with fold_in(key(seed), its line)")
+    cmd.add_argument("--seed", type=int, default=0,
+                     help="sampling key: prompt i of --input draws with fold_in(key(seed), its "
+                          "line)")
     cmd.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     cmd.add_argument("--compile-cache", default=default_compile_cache(),
                      help="directory of JAX's persistent compilation cache ('off': none; "

@@ -45,10 +45,6 @@ class Text:
         text = stops.cut(self.tokenizer.decode(self.ids, skip_special_tokens=True), self.stop)
         return self._send(text, len(text))
 
-    @staticmethod
-    def cut(text: str, stop) -> str:
-        return stops.cut(text, stop)
-
     def _send(self, text, ready) -> str:
         piece = text[self.sent: ready] if ready > self.sent else ""
         self.sent = max(self.sent, ready)

@@ -163,6 +163,14 @@ def chat_template(path) -> str | None:
     return None
 
 
+def render_chat(template: str, config, tokenizer, messages: list[dict]) -> str:
+    """messages rendered with a chat template for the assistant's next turn, the model's BOS
+    and EOS tokens (from config and tokenizer) passed as bos_token / eos_token."""
+    name = lambda i: "" if i is None else tokenizer.id_to_token(i)  # noqa: E731
+    return apply_chat_template(template, messages, bos_token=name(config.bos_id),
+                               eos_token=name(config.eos_id))
+
+
 def apply_chat_template(template: str, messages: list[dict], add_generation_prompt=True,
                         **special_tokens) -> str:
     """Renders messages ([{"role": ..., "content": ...}]) with a Jinja chat template."""

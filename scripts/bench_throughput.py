@@ -73,7 +73,9 @@ def run_static(params, prompts, budgets, batch_size, max_len):
     answers, busy, elapsed = [], [], 0.0
     for i in range(0, len(prompts), batch_size):
         group, wanted = prompts[i: i + batch_size], budgets[i: i + batch_size]
-        run = lambda: np.asarray(jaxkv.generate(params, group, max(wanted), max_len=max_len)[0])  # noqa: E731
+        def run():
+            return np.asarray(jaxkv.generate(params, group, max(wanted), max_len=max_len)[0])
+
         traces = jaxkv.trace_counts["generate"]
         seconds, tokens_BN = timed(run)
         if jaxkv.trace_counts["generate"] != traces:

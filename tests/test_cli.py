@@ -207,7 +207,9 @@ def test_jsonl_job_killed_and_resumed_answers_each_once(tiny_model_dir, tmp_path
     job.wait()
     assert 2 <= cut.read_text().count("\n") < 12  # cut short
     assert subprocess.run(argv + [str(cut)], capture_output=True, timeout=600).returncode == 0
-    answers = lambda path: {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}  # noqa: E731
+    def answers(path):
+        return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
     assert len(cut.read_text().splitlines()) == 12 and answers(cut) == answers(whole)
     assert os.listdir(tmp_path / "xla")  # the compiled programs were kept
 
