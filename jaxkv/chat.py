@@ -22,8 +22,7 @@ class Chat:
         self.messages = [] if system is None else [{"role": "system", "content": system}]
         self.max_new_tokens, self.stop = max_new_tokens, list(stop)
         max_len = max_len or min(c.max_seq_len, 4096)
-        options.setdefault("eos_id", list(c.end_ids) or None)
-        self.ends = options["eos_id"] or []
+        self.eos_id = options.setdefault("eos_id", list(c.end_ids) or None)
         self.schedule = Schedule(params, [], max_new_tokens, 1, max_len=max_len,
                                  stop=self.stop or None, tokenizer=tokenizer, **options)
         self.cached = []  # the ids the cache holds, position by position
@@ -38,13 +37,13 @@ class Chat:
         s = self.schedule
         s.serving[0] = [len(self.prefilled) - 1, s.checked(len(self.prefilled) - 1, ids), start,
                         self.max_new_tokens]
-        answer, shown = [], Text(self.tokenizer, self.ends, self.stop)
+        answer, shown = [], Text(self.tokenizer, self.eos_id, self.stop)
         for new in s.stream(1):
             answer += new
             yield shown.add(new)
         yield shown.finish()
         self.cached = ids + answer[:-1]  # the last id drawn was never run through the model
-        reply = self.tokenizer.decode([t for t in answer if t not in self.ends],
+        reply = self.tokenizer.decode([t for t in answer if t not in shown.ends],
                                       skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": cut(reply, self.stop)})
 

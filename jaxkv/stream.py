@@ -17,7 +17,7 @@ def stream(params, tokenizer, prompt, max_new_tokens: int = 256, *, stop=(), **o
     yielded, or after max_new_tokens. Options: iter_tokens' (sampling, key, steps, max_len)."""
     ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
     eos = options.setdefault("eos_id", list(params.config.end_ids) or None)
-    text = Text(tokenizer, [] if eos is None else [eos] if isinstance(eos, int) else eos, stop)
+    text = Text(tokenizer, eos, stop)
     for new in iter_tokens(params, ids, max_new_tokens, stop=text.stop or None,
                            tokenizer=tokenizer, **options):
         if piece := text.add(new):
@@ -27,10 +27,12 @@ def stream(params, tokenizer, prompt, max_new_tokens: int = 256, *, stop=(), **o
 
 
 class Text:
-    """An answer's text as its ids arrive: add(ids) and finish() return what may be shown."""
+    """An answer's text as its ids arrive: add(ids) and finish() return what may be shown.
+    end_ids: None, an id or ids (eos_id's forms), left out of the text."""
 
-    def __init__(self, tokenizer, end_ids=(), stop=()):
-        self.tokenizer, self.ends, self.stop = tokenizer, set(end_ids), list(stop)
+    def __init__(self, tokenizer, end_ids=None, stop=()):
+        ends = [] if end_ids is None else [end_ids] if isinstance(end_ids, int) else end_ids
+        self.tokenizer, self.ends, self.stop = tokenizer, set(ends), list(stop)
         self.hold = max(map(len, self.stop), default=1) - 1  # a stop string may still form
         self.ids, self.sent = [], 0
 
