@@ -17,6 +17,7 @@ from jaxkv.multidecode import (Forest, Prefix, accept, accept_branch, accept_nod
 from jaxkv.params import Params, cast, init_params
 from jaxkv.quant import Int8, quantize
 from jaxkv.sampling import SamplingParams, sample, sampling_params
+from jaxkv.speculative import speculative_generate
 from jaxkv.stops import StopStrings, stop_strings
 from jaxkv.stream import stream
 from jaxkv.tokenizer import apply_chat_template, chat_template, load_tokenizer
@@ -31,5 +32,5 @@ __all__ = [
     "generate_branches", "generate_many", "init_cache", "init_params", "iter_many",
     "iter_tokens", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix", "prefill",
     "quantize", "sample", "sampling_params", "save", "score_continuations", "set_value_checks",
-    "stop_strings", "stream", "trace_counts",
+    "speculative_generate", "stop_strings", "stream", "trace_counts",
 ]

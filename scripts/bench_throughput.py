@@ -146,11 +146,24 @@ def main():
         rows.append(row)
         print(summary(row), flush=True)
     result = dict(cpu=cpu_name(), machine=platform.machine(), jax=jax.__version__,
-                  prompts=args.prompts, budgets=budgets, rows=rows)
+                  prompts=args.prompts, budgets=budgets, rows=earlier_rows(args, budgets) + rows)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     plot(result, args.out + ".png")
+
+
+def earlier_rows(args, budgets):
+    """Rows of the other batch sizes from an earlier run of the same data set on the same CPU,
+    kept so that `--batches 32` adds to a file holding batch 16 instead of replacing it."""
+    try:
+        with open(args.out + ".json") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return []
+    if (old.get("cpu"), old.get("budgets")) != (cpu_name(), budgets):
+        return []
+    return [row for row in old["rows"] if row["batch"] not in args.batches]
 
 
 def summary(row):

@@ -21,6 +21,8 @@ RUNS = {
     "bench_prefill": ["--lengths", "16", "--engines", "jaxkv", "hf", "--rounds", "1"],
     "bench_quality": ["--tokens", "64", "--window", "32", "--formats", "fp32", "int8-kv",
                       "llama.cpp-Q8_0"],
+    "bench_speculative": ["--prompts", "1", "--batches", "1", "--new-tokens", "4", "--trees",
+                          "2x1", "--no-draft"],
     "bench_checks": ["--models", "tiny", "--batches", "1", "--new-tokens", "4", "--rounds", "1"],
 }
 

@@ -1,0 +1,366 @@
+"""Lossless speculative decoding on token trees, verified in one forest pass per round.
+
+Every row keeps its committed tokens in cache slots [0, p) and one more committed token, the
+pending one, not fed yet. A round:
+1. A draft proposes M chains of D tokens that continue the pending one: n-gram lookup in the
+   row's own prompt and answer (`lookup_chains`), or a draft model's top M first tokens, each
+   continued greedily (`draft_chains`). Chains that begin alike form a trie, stored chain by
+   chain (a node shared by two chains is computed twice; the tree keeps one fixed shape).
+2. One forest pass over the target's cache (decoder.cached_pass with a tree mask): the pending
+   token at slot p (position p), chain m's d-th token at slot p + 1 + m D + d (position
+   p + 1 + d); each node reads the committed slots, its ancestors and itself.
+3. The target draws its own token at every node, exactly as `generate` draws that step of that
+   row (same key, same step index), and a chain is accepted while each of its tokens equals the
+   token the target drew at its parent. The accepted tokens and the target's draw after them
+   (the next pending token) are committed: 1 to D + 1 tokens per row per pass, each row its own.
+4. Accept & compact: the accepted nodes' K/V move down to slots p + 1, p + 2, ...; every other
+   node sits above the new committed length, where the next tree overwrites it, and no mask
+   ever reads it again.
+
+Lossless: every committed token is the target's own draw, so greedy output equals generate's,
+and sampled output equals generate's for the same key (up to float rounding in the tree pass's
+logits). For a deterministic draft this is what speculative sampling's rejection rule reduces
+to: a draft token d proposed with q(d) = 1 is accepted with probability p(d), and on rejection
+the residual distribution is p without d; over several children the target's one draw accepts
+child c with probability p(c), the most any lossless rule can.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxkv import checks
+from jaxkv.cache import init_cache
+from jaxkv.decoder import cached_pass, logits, prefill_padded
+from jaxkv.generate import capacity_for, eos_ids, prepare_prompts
+from jaxkv.params import Params
+from jaxkv.sampling import row_keys, sample, sampling_params
+from jaxkv.tracecount import count_trace
+
+NGRAM = 3  # lookup matches the last 1..NGRAM tokens; longer matches rank first, then recency
+
+
+@struct.dataclass
+class Stats:
+    """Per row: passes of the target, and drafted tokens it accepted (one more per pass is
+    its own)."""
+
+    passes: jax.Array  # [B] int32
+    accepted: jax.Array  # [B] int32
+
+    @property
+    def tokens_per_pass(self):
+        """[B] committed tokens per target pass (1 = no gain)."""
+        return (self.passes + self.accepted) / jnp.maximum(self.passes, 1)
+
+
+# ---- the tree's fixed shape ---------------------------------------------------------------
+
+@functools.lru_cache(maxsize=32)
+def tree_shape(M: int, D: int):
+    """(depth [N], ancestor-or-self mask [N, N]) of a root with M chains of D nodes: node 0 is
+    the root (the pending token), chain m's d-th node is 1 + m D + d."""
+    depth_N = np.concatenate([[0], np.tile(np.arange(1, D + 1), M)]).astype(np.int32)
+    chain_N = np.concatenate([[-1], np.repeat(np.arange(M), D)])
+    anc_NN = (chain_N[:, None] == chain_N[None, :]) & (depth_N[None, :] <= depth_N[:, None])
+    anc_NN[:, 0] = True
+    return depth_N, anc_NN
+
+
+def tree_mask(pos_B, nodes, anc_NN, capacity: int):
+    """mask_BTS for the tree nodes `nodes` (static indices) of rows whose root sits at pos_B:
+    the committed slots before the root, and the slots of each node's ancestors and itself."""
+    rel_BS = jnp.arange(capacity)[None, :] - pos_B[:, None]  # slot - root slot
+    N = anc_NN.shape[0]
+    in_tree_BS = (rel_BS >= 0) & (rel_BS < N)
+    anc_TN = jnp.asarray(anc_NN[np.asarray(nodes)])
+    reads_BTS = jnp.take(anc_TN, jnp.clip(rel_BS, 0, N - 1), axis=1).transpose(1, 0, 2)
+    return (rel_BS < 0)[:, None, :] | (in_tree_BS[:, None, :] & reads_BTS)
+
+
+def tree_pass(params: Params, cache, tokens_BT, pos_B, nodes, M: int, D: int):
+    """Feeds the tree nodes `nodes` (tokens [B, T]) of trees rooted at pos_B: (logits [B, T, V],
+    cache)."""
+    depth_N, anc_NN = tree_shape(M, D)
+    nodes = np.asarray(nodes)
+    node_pos_BT = pos_B[:, None] + depth_N[nodes][None, :]
+    slot_BT = pos_B[:, None] + nodes[None, :]
+    mask_BTS = tree_mask(pos_B, nodes, anc_NN, cache.capacity)
+    x_BTD, cache = cached_pass(params, cache, tokens_BT, node_pos_BT, slot_BT, mask_BTS,
+                               kv_len=jnp.max(pos_B) + 1 + M * D)
+    return logits(params, x_BTD), cache
+
+
+# ---- drafts -------------------------------------------------------------------------------
+
+def lookup_chains(hist_BL, hlen_B, M: int, D: int):
+    """Chains from n-gram lookup: (tokens [B, M, D], usable [B, M, D]).
+
+    The row's history hist_BL (prompt, answer, pending token; hlen_B of them) is searched for
+    earlier ends of its last 1..NGRAM tokens; the D tokens that followed each of the M best
+    matches (longest first, then latest) are its chains. A chain is usable as far as the
+    history goes; chains that repeat an earlier one whole are dropped."""
+    B, L = hist_BL.shape
+    i_L = jnp.arange(L)
+    last_BG = jnp.take_along_axis(hist_BL, jnp.clip(hlen_B[:, None] - 1 - jnp.arange(NGRAM),
+                                                    0, L - 1), axis=1)
+    same_BL = jnp.ones((B, L), bool)
+    length_BL = jnp.zeros((B, L), jnp.int32)  # the match's length ending at i
+    for g in range(NGRAM):
+        shifted_BL = jnp.pad(hist_BL, ((0, 0), (g, 0)), constant_values=-1)[:, :L]
+        same_BL &= (shifted_BL == last_BG[:, g:g + 1]) & (i_L >= g) & (g < hlen_B[:, None] - 1)
+        length_BL += same_BL
+    earlier_BL = i_L[None, :] < hlen_B[:, None] - 1
+    score_BL = jnp.where(earlier_BL & (length_BL > 0), length_BL * L + i_L, -1)
+    score_BM, end_BM = jax.lax.top_k(score_BL, M)
+    at_BMD = end_BM[:, :, None] + 1 + jnp.arange(D)
+    tokens_BMD = jnp.take_along_axis(hist_BL, jnp.clip(at_BMD, 0, L - 1).reshape(B, -1),
+                                     axis=1).reshape(B, M, D)
+    usable_BMD = (score_BM >= 0)[:, :, None] & (at_BMD < hlen_B[:, None, None])
+    tokens_BMD = jnp.where(usable_BMD, tokens_BMD, -1)
+    repeat_BM = jnp.zeros((B, M), bool)
+    for m in range(1, M):
+        repeat_BM = repeat_BM.at[:, m].set(
+            (tokens_BMD[:, :m] == tokens_BMD[:, m:m + 1]).all(2).any(1))
+    return jnp.where(usable_BMD, tokens_BMD, 0), usable_BMD & ~repeat_BM[:, :, None]
+
+
+def draft_chains(dparams: Params, dcache, prev_B, need_prev_B, pending_B, pos_B, M: int,
+                 D: int):
+    """Chains from a draft model: its top M tokens after the pending one, each continued
+    greedily for D - 1 more steps, all in its own cache laid out as the target's tree.
+
+    The draft's cache holds the committed slots below pos_B - 1, and slot pos_B - 1 unless
+    need_prev_B (the last accepted token was the end of a chain, which the draft never fed):
+    prev_B is then fed first. Returns (tokens [B, M, D], draft cache)."""
+    B = pos_B.shape[0]
+    pos_B2 = jnp.stack([pos_B - 1, pos_B], 1)
+    slot_B2 = jnp.stack([jnp.where(need_prev_B, pos_B - 1, dcache.capacity), pos_B], 1)
+    x_B2D, dcache = cached_pass(dparams, dcache, jnp.stack([prev_B, pending_B], 1), pos_B2,
+                                slot_B2, jnp.arange(dcache.capacity) <= pos_B2[:, :, None],
+                                kv_len=jnp.max(pos_B) + 1)
+    _, first_BM = jax.lax.top_k(logits(dparams, x_B2D[:, 1:])[:, 0], M)
+    chain_BMD = jnp.zeros((B, M, D), jnp.int32).at[:, :, 0].set(first_BM)
+    for d in range(1, D):
+        nodes = 1 + np.arange(M) * D + d - 1
+        logits_BMV, dcache = tree_pass(dparams, dcache, chain_BMD[:, :, d - 1], pos_B, nodes, M,
+                                       D)
+        chain_BMD = chain_BMD.at[:, :, d].set(jnp.argmax(logits_BMV, -1).astype(jnp.int32))
+    return chain_BMD, dcache
+
+
+# ---- verification -------------------------------------------------------------------------
+
+def accepted_depth(chain_BMD, usable_BMD, parent_draw_BMD):
+    """[B, M]: how many of each chain's tokens are accepted, i.e. equal to the target's draw at
+    their parent (leading matches)."""
+    match_BMD = usable_BMD & (chain_BMD == parent_draw_BMD)
+    return jnp.cumprod(match_BMD, axis=2).sum(2)
+
+
+def walk(draw_BN, chain_BMD, usable_BMD):
+    """The longest accepted chain: (chain m [B], accepted count a [B], committed [B, D + 1]:
+    the accepted tokens, then the target's draw after them, then -1)."""
+    B, M, D = chain_BMD.shape
+    root_B, node_BMD = draw_BN[:, 0], draw_BN[:, 1:].reshape(B, M, D)
+    parent_BMD = jnp.concatenate([jnp.broadcast_to(root_B[:, None, None], (B, M, 1)),
+                                  node_BMD[:, :, :-1]], axis=2)
+    a_BM = accepted_depth(chain_BMD, usable_BMD, parent_BMD)
+    m_B = jnp.argmax(a_BM, axis=1)
+    a_B = jnp.max(a_BM, axis=1)
+    rows = jnp.arange(B)
+    chain_BD, draws_BD = chain_BMD[rows, m_B], node_BMD[rows, m_B]
+    bonus_B = jnp.where(a_B == 0, root_B, draws_BD[rows, jnp.maximum(a_B - 1, 0)])
+    j_J = jnp.arange(D + 1)
+    committed_BJ = jnp.where(j_J < a_B[:, None], jnp.pad(chain_BD, ((0, 0), (0, 1))),
+                             jnp.where(j_J == a_B[:, None], bonus_B[:, None], -1))
+    return m_B, a_B, committed_BJ
+
+
+def compact(cache, pos_B, m_B, a_B, D: int):
+    """Moves the accepted nodes' K/V (chain m, depths < a) of trees rooted at pos_B down to the
+    slots right after the root."""
+    B = pos_B.shape[0]
+    d_D = jnp.arange(D)
+    src_BD = pos_B[:, None] + 1 + m_B[:, None] * D + d_D
+    dst_BD = jnp.where(d_D < a_B[:, None], pos_B[:, None] + 1 + d_D, cache.capacity)
+    rows_B1 = jnp.arange(B)[:, None]
+    move = lambda x: x.at[rows_B1, :, dst_BD].set(x[rows_B1, :, src_BD], mode="drop")  # noqa
+    return cache.replace(k=jax.tree.map(move, cache.k), v=jax.tree.map(move, cache.v))
+
+
+# ---- the compiled loop --------------------------------------------------------------------
+
+@struct.dataclass
+class _Rows:
+    cache: object
+    dcache: object  # the draft model's cache, or None
+    hist: jax.Array  # [B, L] committed tokens by position (prompt, answer); pending included
+    pos: jax.Array  # [B] the pending token's position (= committed slots in the cache)
+    need_prev: jax.Array  # [B] bool: the draft has not fed the token at pos - 1
+    t: jax.Array  # [B] answer tokens committed (the pending one included)
+    out: jax.Array  # [B, max_new_tokens + D + 1] answer tokens
+    done: jax.Array  # [B] bool
+    length: jax.Array  # [B]
+    passes: jax.Array  # [B]
+    accepted: jax.Array  # [B]
+
+
+def _commit(s: _Rows, committed_BJ, a_B, eos_E, max_new_tokens: int) -> _Rows:
+    """Records each live row's committed tokens (answer and history), ending rows at an EOS or
+    the budget."""
+    B, J = committed_BJ.shape
+    live_B = ~s.done
+    n_B = jnp.where(live_B, a_B + 1, 0)
+    j_J = jnp.arange(J)
+    new_BJ = j_J < n_B[:, None]
+    rows_B1 = jnp.arange(B)[:, None]
+    at_BJ = jnp.where(new_BJ, s.t[:, None] + j_J, s.out.shape[1])
+    out = s.out.at[rows_B1, at_BJ].set(committed_BJ, mode="drop")
+    hist = s.hist.at[rows_B1, jnp.where(new_BJ, s.pos[:, None] + 1 + j_J, s.hist.shape[1])].set(
+        committed_BJ, mode="drop")
+    eos_BJ = new_BJ & jnp.isin(committed_BJ, eos_E)
+    first_eos_B = jnp.argmax(eos_BJ, axis=1)
+    t_B = s.t + n_B
+    ended_B = live_B & (eos_BJ.any(1) | (t_B >= max_new_tokens))
+    length_B = jnp.where(eos_BJ.any(1), s.t + first_eos_B + 1, max_new_tokens)
+    return s.replace(out=out, hist=hist, t=t_B, pos=s.pos + n_B, done=s.done | ended_B,
+                     length=jnp.where(ended_B, jnp.minimum(length_B, max_new_tokens), s.length),
+                     passes=s.passes + live_B, accepted=s.accepted + jnp.where(live_B, a_B, 0))
+
+
+def _draw(logits_BNV, sampling, keys_B, step_BN):
+    """The target's token at every node: what generate draws at that row's step."""
+    B, N, V = logits_BNV.shape
+    flat = jax.tree.map(lambda x: jnp.repeat(x, N, axis=0), sampling)
+    return sample(logits_BNV.reshape(B * N, V), flat, jnp.repeat(keys_B, N),
+                  step_BN.reshape(-1), jnp.zeros((B * N, V), bool)).reshape(B, N)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "M", "D",
+                                             "kv_dtype"))
+def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id, *,
+                      max_new_tokens: int, capacity: int, M: int, D: int, kv_dtype=None):
+    count_trace("speculative")
+    B, T = tokens_BT.shape
+    depth_N, _ = tree_shape(M, D)
+    start_B = jnp.zeros((B,), jnp.int32)
+    logits_BV, cache = prefill_padded(params, init_cache(params, B, capacity, kv_dtype),
+                                      tokens_BT, lengths_B, start_B)
+    dcache = None
+    if dparams is not None:
+        _, dcache = prefill_padded(dparams, init_cache(dparams, B, capacity, kv_dtype),
+                                   tokens_BT, lengths_B, start_B)
+    first_B = _draw(logits_BV[:, None], sampling, keys_B, jnp.zeros((B, 1), jnp.int32))[:, 0]
+    hist = jnp.zeros((B, capacity), jnp.int32).at[:, :T].set(tokens_BT)
+    zeros = jnp.zeros((B,), jnp.int32)
+    s = _Rows(cache, dcache, hist, lengths_B - 1, jnp.zeros((B,), bool), zeros,
+              jnp.full((B, max_new_tokens + D + 1), pad_id, jnp.int32), jnp.zeros((B,), bool),
+              jnp.full((B,), max_new_tokens, jnp.int32), zeros, zeros)
+    s = _commit(s, jnp.pad(first_B[:, None], ((0, 0), (0, D)), constant_values=-1), zeros,
+                eos_E, max_new_tokens).replace(passes=zeros)
+
+    def round_(s: _Rows) -> _Rows:
+        pending_B = jnp.take_along_axis(s.hist, s.pos[:, None], axis=1)[:, 0]
+        dcache = s.dcache
+        if dparams is None:
+            chain_BMD, usable_BMD = lookup_chains(s.hist, s.pos + 1, M, D)
+        else:
+            prev_B = jnp.take_along_axis(s.hist, jnp.maximum(s.pos - 1, 0)[:, None], axis=1)[:, 0]
+            chain_BMD, dcache = draft_chains(dparams, dcache, prev_B, s.need_prev, pending_B,
+                                             s.pos, M, D)
+            usable_BMD = jnp.ones((B, M, D), bool)
+        step_BN = s.t[:, None] + depth_N[None, :]
+        tree_BN = jnp.concatenate([pending_B[:, None], chain_BMD.reshape(B, -1)], axis=1)
+
+        def full(cache):
+            logits_BNV, cache = tree_pass(params, cache, tree_BN, s.pos, np.arange(1 + M * D),
+                                          M, D)
+            return _draw(logits_BNV, sampling, keys_B, step_BN), cache
+
+        def root_only(cache):  # no row has a draft: an ordinary decode step
+            logits_B1V, cache = tree_pass(params, cache, pending_B[:, None], s.pos, [0], M, D)
+            draw_B1 = _draw(logits_B1V, sampling, keys_B, step_BN[:, :1])
+            return jnp.pad(draw_B1, ((0, 0), (0, M * D)), constant_values=-1), cache
+
+        draw_BN, cache = jax.lax.cond(jnp.any(usable_BMD & ~s.done[:, None, None]), full,
+                                      root_only, s.cache)
+        m_B, a_B, committed_BJ = walk(draw_BN, chain_BMD, usable_BMD)
+        a_B = jnp.where(s.done, 0, a_B)
+        cache = compact(cache, s.pos, m_B, a_B, D)
+        if dcache is not None:
+            dcache = compact(dcache, s.pos, m_B, a_B, D)
+        s = s.replace(cache=cache, dcache=dcache, need_prev=jnp.where(s.done, s.need_prev,
+                                                                       a_B == D))
+        return _commit(s, committed_BJ, a_B, eos_E, max_new_tokens)
+
+    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), round_, s)
+    j_J = jnp.arange(max_new_tokens)
+    tokens_BJ = jnp.where(j_J < s.length[:, None], s.out[:, :max_new_tokens], pad_id)
+    return tokens_BJ, s.length, Stats(s.passes, s.accepted)
+
+
+def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup", n_draft=4,
+                         n_branches=None, temperature=0.0, top_k=None, top_p=None, min_p=None,
+                         key=None, eos_id=None, pad_id=None, max_len=None, kv_dtype=None):
+    """generate's result, in fewer passes of the target: (tokens [B, max_new_tokens], lengths
+    [B], Stats).
+
+    draft: "lookup" (n-gram matches of the row's latest tokens in its prompt and answer) or a
+    draft model's Params with the target's vocabulary. n_draft: tokens per drafted chain (D);
+    n_branches: chains per round (M; default 3 for lookup, 2 for a draft model). Each pass
+    scores 1 + M D tokens and commits 1 to D + 1 of them per row. Other options as generate's;
+    tokens and lengths equal generate's (greedy, and sampled with the same key).
+    """
+    c = params.config
+    if c.is_encoder_decoder or c.position == "relative":
+        raise ValueError("speculative_generate supports decoder-only models with RoPE or learned "
+                         "positions")
+    checks.no_window(c, "speculative_generate")
+    dparams = _draft_params(params, draft)
+    D = checks.int_arg(n_draft, "n_draft")
+    M = checks.int_arg(n_branches if n_branches is not None else 3 if dparams is None else 2,
+                       "n_branches")
+    if dparams is not None and M > c.vocab_size:
+        raise ValueError(f"n_branches={M} is more than the vocabulary ({c.vocab_size} tokens)")
+    tokens_BT, lengths_B = prepare_prompts(c, prompts)
+    B, T = tokens_BT.shape
+    max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
+    # The tree of the last round may reach M D + 1 slots past the last answer token.
+    need = capacity_for(c, T, max_new_tokens, lengths_B, None if max_len is None else
+                        checks.int_arg(max_len, "max_len") - M * D - 1)
+    capacity = need + M * D + 1
+    if c.position == "learned" and capacity > c.max_seq_len:
+        raise ValueError(f"speculative_generate needs {capacity} positions (prompt + "
+                         f"max_new_tokens + the draft tree's {M * D + 1}); the model has "
+                         f"{c.max_seq_len} learned positions")
+    sampling = sampling_params(B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    eos_E = eos_ids(eos_id)
+    pad = pad_id if pad_id is not None else 0 if eos_id is None else int(eos_E[0])
+    kv_dtype = None if kv_dtype is None else checks.kv_dtype(kv_dtype, "kv_dtype")
+    return _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, row_keys(key, B),
+                             eos_E, jnp.int32(checks.int_arg(pad, "pad_id", minimum=0)),
+                             max_new_tokens=max_new_tokens, capacity=capacity, M=M, D=D,
+                             kv_dtype=kv_dtype)
+
+
+def _draft_params(params, draft):
+    """None for lookup, or the draft model's params (checked against the target's)."""
+    if isinstance(draft, str):
+        if draft != "lookup":
+            raise ValueError(f"draft must be 'lookup' or a draft model's Params, got {draft!r}")
+        return None
+    if not isinstance(draft, Params):
+        raise TypeError(f"draft must be 'lookup' or a draft model's Params, got "
+                        f"{type(draft).__name__}")
+    c, dc = params.config, draft.config
+    if dc.vocab_size != c.vocab_size:
+        raise ValueError(f"the draft model's vocabulary has {dc.vocab_size} tokens, the "
+                         f"target's {c.vocab_size}: a draft must share the target's vocabulary")
+    if dc.is_encoder_decoder or dc.position == "relative":
+        raise ValueError("the draft model must be decoder-only with RoPE or learned positions")
+    checks.no_window(dc, "a draft model")
+    return draft

@@ -1,0 +1,162 @@
+"""Speculative decoding against generate, same run: tokens/s and tokens per target pass.
+
+SmolLM2-135M-Instruct in float32 (the shipped GGUF), greedy, chat-formatted prompts of two
+kinds: input-grounded (the model is given a tinyshakespeare passage and asked to copy it, or to
+copy it with a light edit) and free-form (questions with no text to copy). Each kind runs at
+batch 1 (every prompt alone) and batch 4 (the prompts together); for each, generate and
+speculative_generate with n-gram lookup at several (n_draft, n_branches) trees, and with the
+int8-quantized SmolLM2 as a draft model. Every speculative answer is checked equal to
+generate's. Each configuration is compiled before it is timed.
+
+  python scripts/bench_speculative.py                       # the full table (~15 min)
+  python scripts/bench_speculative.py --new-tokens 8 --prompts 1 --trees 2x1 --batches 1
+"""
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import numpy as np
+
+import jaxkv
+
+from bench_checks import cpu_name  # scripts/
+
+SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
+                           "tinyshakespeare.txt")
+ASKS = ["Copy the following passage exactly, word for word:\n\n{}",
+        "Rewrite the following passage exactly as it is, but in lowercase:\n\n{}",
+        "Repeat this text back to me without changes:\n\n{}",
+        "Copy this passage, replacing every name with 'X':\n\n{}"]
+FREE = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Explain how a refrigerator works to a ten-year-old.",
+        "What are three good habits for staying healthy? Explain each.",
+        "Describe a walk through a forest in autumn."]
+
+
+def prompts_of(kind, tokenizer, template, n, seed=0):
+    """n chat-formatted prompt ids of one kind."""
+    if kind == "free":
+        texts = FREE[:n]
+    else:
+        rng = np.random.default_rng(seed)
+        with open(SHAKESPEARE, encoding="utf-8") as f:
+            text = f.read()[:200_000]
+        starts = rng.integers(0, len(text) - 2000, n)
+        texts = []
+        for ask, start in zip(ASKS, starts):
+            passage = text[start:start + 600]
+            passage = passage[passage.index("\n\n") + 2:] if "\n\n" in passage else passage
+            texts.append(ask.format(passage[:450].rsplit("\n", 1)[0]))
+    return [tokenizer.encode(jaxkv.apply_chat_template(
+        template, [{"role": "user", "content": t}])).ids for t in texts]
+
+
+def timed(fn, repeats):
+    """(best seconds of `repeats` runs after one warm-up run, the last result)."""
+    out = jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def run_case(params, draft, prompts, batch, new_tokens, trees, repeats, eos):
+    """Rows for one (prompt kind, batch): generate, then each speculative configuration."""
+    batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    gen_s, reference, tokens = 0.0, [], 0
+    for rows in batches:
+        s, (out, lengths) = timed(lambda: jaxkv.generate(params, rows, new_tokens, eos_id=eos),
+                                  repeats)
+        gen_s += s
+        reference.append((np.asarray(out), np.asarray(lengths)))
+        tokens += int(np.sum(lengths))
+    results = [dict(engine="generate", seconds=gen_s, tokens=tokens, tokens_per_pass=1.0)]
+    configs = [("lookup", "lookup", d, m) for d, m in trees]
+    if draft is not None:
+        configs.append(("int8 draft", draft, 4, 1))
+    for name, drafter, D, M in configs:
+        spec_s, passes, committed, equal = 0.0, 0, 0, True
+        for rows, (want, want_len) in zip(batches, reference):
+            s, (out, lengths, stats) = timed(lambda: jaxkv.speculative_generate(
+                params, rows, new_tokens, draft=drafter, n_draft=D, n_branches=M, eos_id=eos),
+                repeats)
+            spec_s += s
+            equal &= bool(np.array_equal(out, want) and np.array_equal(lengths, want_len))
+            passes += int(np.sum(stats.passes))
+            committed += int(np.sum(stats.passes + stats.accepted))
+        results.append(dict(engine=name, n_draft=D, n_branches=M, seconds=spec_s,
+                            tokens=tokens, tokens_per_pass=committed / max(passes, 1),
+                            equal_to_generate=equal, speedup=gen_s / spec_s))
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts of each kind (at most 4)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--trees", nargs="+", default=["4x1", "4x2", "8x1", "8x2", "12x2"],
+                    help="lookup trees, n_draft x n_branches")
+    ap.add_argument("--no-draft", action="store_true", help="skip the int8 draft model")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out", default="results/bench_speculative")
+    args = ap.parse_args()
+    path = jaxkv.default_model()
+    params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)
+    template = jaxkv.chat_template(path)
+    draft = None if args.no_draft else jaxkv.quantize(params)
+    trees = [tuple(int(x) for x in t.split("x")) for t in args.trees]
+    rows = []
+    for kind in ("grounded", "free"):
+        prompts = prompts_of(kind, tokenizer, template, args.prompts)
+        for batch in args.batches:
+            for r in run_case(params, draft, prompts, batch, args.new_tokens, trees, args.repeats,
+                              params.config.eos_id):
+                rows.append(dict(kind=kind, batch=batch, **r))
+                print(summary(rows[-1]), flush=True)
+    result = dict(cpu=cpu_name(), machine=platform.machine(), jax=jax.__version__,
+                  new_tokens=args.new_tokens, prompts=args.prompts, rows=rows)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, args.out + ".png")
+
+
+def summary(row):
+    text = (f"{row['kind']:8s} batch {row['batch']} {row['engine']:10s} "
+            f"{row['tokens'] / row['seconds']:6.1f} tokens/s")
+    if row["engine"] != "generate":
+        text += (f"  n_draft {row['n_draft']} x {row['n_branches']}: {row['speedup']:.2f}x, "
+                 f"{row['tokens_per_pass']:.2f} tokens/pass, equal {row['equal_to_generate']}")
+    return text
+
+
+def plot(result, file):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["kind"], r["batch"]) for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.5 * len(cases), 4), squeeze=False)
+    for ax, (kind, batch) in zip(axes[0], cases):
+        rows = [r for r in result["rows"] if (r["kind"], r["batch"]) == (kind, batch)]
+        labels = [r["engine"] if r["engine"] == "generate" else
+                  f"{r['engine']}\n{r['n_draft']}x{r['n_branches']}" for r in rows]
+        ax.bar(range(len(rows)), [r["tokens"] / r["seconds"] for r in rows])
+        ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=45)
+        ax.set(title=f"{kind}, batch {batch}", ylabel="tokens/s")
+    fig.suptitle(f"SmolLM2-135M fp32 greedy, speculative vs generate, {result['cpu']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(file, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Speculative decoding: greedy and sampled results equal generate's, the sampled distribution is
+the target's (chi-square against forward's exact probabilities), no recompiles, clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import speculative
+from tests.conftest import CONFIGS
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    """A different random model with llama_gqa's vocabulary."""
+    return jaxkv.init_params(CONFIGS["llama_mqa"], jax.random.key(7))
+
+
+def ragged_prompts(seed=0, vocab=97):
+    """Ragged rows: repetitive ones (lookup finds its chains) and a random one."""
+    rng = np.random.default_rng(seed)
+    motif = rng.integers(0, vocab, 9).tolist()
+    return [motif * 3, rng.integers(0, vocab, 5).tolist(), motif[:4] * 4 + [3]]
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "gpt2"])
+def test_lookup_greedy_equals_generate_on_a_ragged_batch(name):
+    params = jaxkv.init_params(CONFIGS[name], jax.random.key(1))
+    prompts = ragged_prompts()
+    want, want_len = jaxkv.generate(params, prompts, 30)
+    tokens, lengths, stats = jaxkv.speculative_generate(params, prompts, 30, n_draft=3)
+    np.testing.assert_array_equal(tokens, want)
+    np.testing.assert_array_equal(lengths, want_len)
+    assert int(stats.accepted[0]) > 0  # the repeated motif was drafted and accepted
+    # After the first token (from the prompt's pass) each pass commits its accepted tokens and
+    # one of its own; the last one may go past the budget.
+    assert (np.asarray(stats.passes) + np.asarray(stats.accepted) >= 29).all()
+    assert int(stats.passes[0]) < 29
+
+
+def test_draft_model_greedy_equals_generate(llama, draft_model):
+    prompts = ragged_prompts(1)
+    want, want_len = jaxkv.generate(llama, prompts, 24)
+    for draft in (draft_model, llama):
+        tokens, lengths, stats = jaxkv.speculative_generate(llama, prompts, 24, draft=draft,
+                                                            n_draft=3, n_branches=2)
+        np.testing.assert_array_equal(tokens, want)
+        np.testing.assert_array_equal(lengths, want_len)
+    # The target as its own draft: every drafted token is accepted, 4 tokens per pass.
+    np.testing.assert_array_equal(stats.passes, [6, 6, 6])
+    np.testing.assert_array_equal(stats.tokens_per_pass, [4.0] * 3)
+
+
+def test_sampled_equals_generate_with_the_same_key(llama, draft_model):
+    prompts = ragged_prompts(2)
+    options = dict(temperature=0.8, top_k=40, top_p=0.95, key=jax.random.key(11))
+    want, _ = jaxkv.generate(llama, prompts, 20, **options)
+    for draft in ("lookup", draft_model):
+        tokens, _, _ = jaxkv.speculative_generate(llama, prompts, 20, draft=draft, **options)
+        np.testing.assert_array_equal(tokens, want)
+
+
+def test_eos_ends_each_row_as_generate_does(llama):
+    prompts = ragged_prompts(3)
+    free, _ = jaxkv.generate(llama, prompts, 20)
+    eos = [int(free[0, 6]), int(free[2, 11])]  # tokens each row draws on its way
+    want, want_len = jaxkv.generate(llama, prompts, 20, eos_id=eos)
+    tokens, lengths, _ = jaxkv.speculative_generate(llama, prompts, 20, eos_id=eos)
+    np.testing.assert_array_equal(lengths, want_len)
+    np.testing.assert_array_equal(tokens, want)
+    assert (np.asarray(lengths) < 20).any()
+
+
+def test_int8_cache_equals_generate_with_an_int8_cache(llama):
+    prompts = ragged_prompts(4)
+    want, _ = jaxkv.generate(llama, prompts, 16, kv_dtype=jnp.int8)
+    tokens, _, _ = jaxkv.speculative_generate(llama, prompts, 16, kv_dtype=jnp.int8)
+    np.testing.assert_array_equal(tokens, want)
+
+
+def test_no_recompile_for_new_lengths_or_sampling_values(llama):
+    run = lambda prompts, **kw: jaxkv.speculative_generate(llama, prompts, 12, **kw)  # noqa
+    run([[1, 2, 3, 1, 2]], temperature=0.5)
+    jaxkv.trace_counts.clear()
+    run([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5]], temperature=1.0, top_k=5)
+    run([[9, 9, 9]], temperature=0.0, top_p=0.9, min_p=0.1)
+    assert dict(jaxkv.trace_counts) == {}
+
+
+def test_the_lookup_finds_the_longest_latest_matches():
+    hist = np.array([[5, 1, 2, 7, 1, 2, 8, 9, 3, 1, 2, 0, 0]])
+    tokens, usable = speculative.lookup_chains(jnp.asarray(hist), jnp.array([11]), 3, 2)
+    # "1 2" ends at 5 (then 8 9) and at 2 (then 7 1); "2" nowhere else; "1 2" at 10 is the end.
+    np.testing.assert_array_equal(tokens[0, :2], [[8, 9], [7, 1]])
+    assert usable[0, :2].all() and not usable[0, 2].any()
+
+
+# ---- the sampled distribution -------------------------------------------------------------
+
+SMALL = dict(vocab_size=6, d_model=32, n_layers=2, max_seq_len=64)
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # lookup drafts "3 1 2 ..."
+DRAWS = 6000
+
+
+def exact_probabilities(params):
+    """p(x1 x2 x3 | PROMPT) for all 6^3 continuations, from the uncached forward."""
+    V = SMALL["vocab_size"]
+    conts = np.stack(np.meshgrid(*[np.arange(V)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    tokens = np.concatenate([np.tile(PROMPT, (len(conts), 1)), conts], 1)
+    logp = jax.nn.log_softmax(jaxkv.forward(params, tokens), -1)
+    T = len(PROMPT)
+    steps = [logp[np.arange(len(conts)), T - 1 + i, conts[:, i]] for i in range(3)]
+    return conts, np.exp(np.asarray(sum(steps), np.float64))
+
+
+def chi_square(params, draft):
+    """(statistic, degrees of freedom) of DRAWS speculative samples against the exact law."""
+    tokens, _, _ = jaxkv.speculative_generate(params, [PROMPT] * DRAWS, 3, draft=draft,
+                                              n_draft=2, n_branches=2, temperature=1.0,
+                                              key=jax.random.key(0))
+    V = SMALL["vocab_size"]
+    conts, p = exact_probabilities(params)
+    code = np.asarray(tokens) @ np.array([V * V, V, 1])
+    seen = np.bincount(code, minlength=len(conts)).astype(np.float64)
+    expected = p * DRAWS
+    big = expected >= 5  # the rest (if any) pooled into one bin
+    obs, exp = seen[big], expected[big]
+    if not big.all():
+        obs, exp = np.append(obs, seen[~big].sum()), np.append(exp, expected[~big].sum())
+    return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+
+
+def broken_accepted_depth(chain_BMD, usable_BMD, parent_draw_BMD):
+    """A wrong rule: drafted tokens accepted without comparing them to the target's draws."""
+    return jnp.cumprod(usable_BMD, axis=2).sum(2)
+
+
+@pytest.mark.parametrize("draft", ["lookup", "model"])
+def test_sampled_sequences_follow_the_target_distribution(draft, monkeypatch):
+    params = jaxkv.init_params(jaxkv.Config.llama(n_heads=2, n_kv_heads=1, d_ff=48, **SMALL),
+                               jax.random.key(4))
+    drafter = draft if draft == "lookup" else jaxkv.init_params(
+        jaxkv.Config.gpt2(n_heads=2, **SMALL), jax.random.key(5))
+    stat, df = chi_square(params, drafter)
+    limit = df + 4 * np.sqrt(2 * df)  # ~4 standard deviations of chi-square(df)
+    assert stat < limit, (stat, df)
+    monkeypatch.setattr(speculative, "accepted_depth", broken_accepted_depth)
+    jax.clear_caches()  # the loop was traced with the right rule
+    try:
+        broken, _ = chi_square(params, drafter)
+    finally:
+        jax.clear_caches()
+    assert broken > 3 * limit, (broken, limit)
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+def test_bad_arguments_are_clear_errors(llama):
+    prompts = [[1, 2, 3]]
+    other = jaxkv.init_params(jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=96,
+                                                 vocab_size=50, d_model=64, n_layers=1,
+                                                 max_seq_len=128), jax.random.key(0))
+    with pytest.raises(ValueError, match="draft model's vocabulary has 50 tokens.*97"):
+        jaxkv.speculative_generate(llama, prompts, 4, draft=other)
+    for bad in (0, -2, 2.5, "4"):
+        with pytest.raises((ValueError, TypeError), match="n_draft"):
+            jaxkv.speculative_generate(llama, prompts, 4, n_draft=bad)
+    with pytest.raises(ValueError, match="n_branches"):
+        jaxkv.speculative_generate(llama, prompts, 4, n_branches=0)
+    with pytest.raises(ValueError, match="draft must be 'lookup'"):
+        jaxkv.speculative_generate(llama, prompts, 4, draft="ngram")
+    with pytest.raises(TypeError, match="draft must be 'lookup'"):
+        jaxkv.speculative_generate(llama, prompts, 4, draft=3)
+    windowed = jaxkv.init_params(jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=96,
+                                                    sliding_window=8, vocab_size=97, d_model=64,
+                                                    n_layers=2, max_seq_len=128),
+                                 jax.random.key(0))
+    with pytest.raises(ValueError, match="sliding-window"):
+        jaxkv.speculative_generate(windowed, prompts, 4)
