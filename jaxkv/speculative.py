@@ -293,17 +293,19 @@ def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, e
         def full(cache):
             logits_BNV, cache = tree_pass(params, cache, tree_BN, s.pos, np.arange(1 + M * D),
                                           M, D)
-            return _draw(logits_BNV, sampling, keys_B, step_BN), cache
+            m_B, a_B, committed_BJ = walk(_draw(logits_BNV, sampling, keys_B, step_BN),
+                                          chain_BMD, usable_BMD)
+            a_B = jnp.where(s.done, 0, a_B)
+            return m_B, a_B, committed_BJ, compact(cache, s.pos, m_B, a_B, D)
 
-        def root_only(cache):  # no row has a draft: an ordinary decode step
+        def root_only(cache):  # no row drafts: an ordinary decode step, nothing to compact
             logits_B1V, cache = tree_pass(params, cache, pending_B[:, None], s.pos, [0], M, D)
             draw_B1 = _draw(logits_B1V, sampling, keys_B, step_BN[:, :1])
-            return jnp.pad(draw_B1, ((0, 0), (0, M * D)), constant_values=-1), cache
+            zeros_B = jnp.zeros((B,), jnp.int32)
+            return zeros_B, zeros_B, jnp.pad(draw_B1, ((0, 0), (0, D)), constant_values=-1), cache
 
-        draw_BN, cache = jax.lax.cond(jnp.any(drafting_B), full, root_only, s.cache)
-        m_B, a_B, committed_BJ = walk(draw_BN, chain_BMD, usable_BMD)
-        a_B = jnp.where(s.done, 0, a_B)
-        cache = compact(cache, s.pos, m_B, a_B, D)
+        m_B, a_B, committed_BJ, cache = jax.lax.cond(jnp.any(drafting_B), full, root_only,
+                                                     s.cache)
         if dcache is not None:
             dcache = compact(dcache, s.pos, m_B, a_B, D)
         gain_B = jnp.where(drafting_B, (s.gain + a_B) / 2,
