@@ -265,6 +265,14 @@ def ring_holds(ring_pos_BR, first_B, active_B, window: int):
              "most one position; prefill it again from an earlier position)")
 
 
+def linear_decoder(config, what: str):
+    """Forests, trees and shared prefixes need a decoder-only model whose every layer keeps a
+    linear cache: RoPE or learned positions, no sliding window."""
+    if config.is_encoder_decoder or config.position == "relative":
+        raise ValueError(f"{what} supports decoder-only models with RoPE or learned positions")
+    no_window(config, what)
+
+
 def no_window(config, what: str):
     """MultiDecode reads linear caches (slot s holds position s) only, for now."""
     if config.sliding_window is not None:

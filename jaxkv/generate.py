@@ -171,8 +171,8 @@ def generate(params, prompts, max_new_tokens: int, **options):
     EOS id) and its length counts the EOS; stop: strings that end a row (with tokenizer=, or
     jaxkv.stop_strings tables), checked on token ids in the loop: the row's length counts the
     token that completed one (jaxkv.stops.cut cuts the text); max_len: the cache capacity
-    (default: prompt bucket + max_new_tokens); on_token(token [B]): called from inside the compiled loop for each token
-    drawn (generation stops early once every row has ended);
+    (default: prompt bucket + max_new_tokens); on_token(token [B]): called from inside the
+    compiled loop for each token drawn (generation stops early once every row has ended);
     mesh: a jax.sharding.Mesh with axes ("data", "model") (see jaxkv.sharding.make_mesh): rows
     are split over "data", heads / MLP width / vocabulary over "model"; kv_dtype: the cache's
     dtype (init_cache's: float32, bfloat16, float16 or int8; default the params').
@@ -217,6 +217,13 @@ def eos_ids(eos_id):
     return jnp.atleast_1d(jnp.asarray(ids, jnp.int32))
 
 
+def pad_value(pad_id, eos_id, eos_E) -> int:
+    """pad_id, checked; by default the first EOS id, or 0 without one."""
+    if pad_id is None:
+        pad_id = 0 if eos_id is None else int(eos_E[0])
+    return checks.int_arg(pad_id, "pad_id", minimum=0)
+
+
 def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, temperature=0.0,
                   top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                   eos_id=None, pad_id=None, max_len=None, on_token=None, encoder_inputs=None,
@@ -231,9 +238,7 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
     sampling = sampling_params(B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                repetition_penalty=repetition_penalty)
     eos_E = eos_ids(eos_id)
-    if pad_id is None:
-        pad_id = 0 if eos_id is None else int(eos_E[0])
-    pad_id = checks.int_arg(pad_id, "pad_id", minimum=0)
+    pad_id = pad_value(pad_id, eos_id, eos_E)
     suppress_V = token_mask(c, c.suppress_ids if suppress_ids is None else suppress_ids,
                             "suppress_ids")
     begin_V = token_mask(c, c.begin_suppress_ids if begin_suppress_ids is None else

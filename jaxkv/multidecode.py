@@ -117,10 +117,7 @@ def make_prefix(params, prompts, chunk_size: int | None = None, kv_dtype=None) -
 
 
 def _check_model(params):
-    c = params.config
-    if c.is_encoder_decoder or c.position == "relative":
-        raise ValueError("MultiDecode supports decoder-only models with RoPE or learned positions")
-    checks.no_window(c, "MultiDecode (forests, branches, beam search, scoring)")
+    checks.linear_decoder(params.config, "MultiDecode (forests, branches, beam search, scoring)")
 
 
 def _check_positions(params, prefix: Prefix, longest: int):

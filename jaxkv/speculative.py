@@ -35,9 +35,9 @@ from flax import struct
 from jaxkv import checks
 from jaxkv.cache import init_cache
 from jaxkv.decoder import cached_pass, logits, prefill_padded
-from jaxkv.generate import capacity_for, eos_ids, prepare_prompts
+from jaxkv.generate import capacity_for, eos_ids, pad_value, prepare_prompts
 from jaxkv.params import Params
-from jaxkv.sampling import row_keys, sample, sampling_params
+from jaxkv.sampling import argmax, row_keys, sample, sampling_params
 from jaxkv.tracecount import count_trace
 
 NGRAM = 3  # lookup matches the last 1..NGRAM tokens; longer matches rank first, then recency
@@ -156,7 +156,7 @@ def draft_chains(dparams: Params, dcache, prev_B, need_prev_B, pending_B, pos_B,
         nodes = 1 + np.arange(M) * D + d - 1
         logits_BMV, dcache = tree_pass(dparams, dcache, chain_BMD[:, :, d - 1], pos_B, nodes, M,
                                        D)
-        chain_BMD = chain_BMD.at[:, :, d].set(jnp.argmax(logits_BMV, -1).astype(jnp.int32))
+        chain_BMD = chain_BMD.at[:, :, d].set(argmax(logits_BMV))
     return chain_BMD, dcache
 
 
@@ -336,10 +336,7 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
     (greedy, and sampled with the same key).
     """
     c = params.config
-    if c.is_encoder_decoder or c.position == "relative":
-        raise ValueError("speculative_generate supports decoder-only models with RoPE or learned "
-                         "positions")
-    checks.no_window(c, "speculative_generate")
+    checks.linear_decoder(c, "speculative_generate")
     dparams = _draft_params(params, draft)
     D = checks.int_arg(n_draft, "n_draft")
     M = checks.int_arg(n_branches, "n_branches")
@@ -358,10 +355,9 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
                          f"{c.max_seq_len} learned positions")
     sampling = sampling_params(B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     eos_E = eos_ids(eos_id)
-    pad = pad_id if pad_id is not None else 0 if eos_id is None else int(eos_E[0])
     kv_dtype = None if kv_dtype is None else checks.kv_dtype(kv_dtype, "kv_dtype")
     return _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, row_keys(key, B),
-                             eos_E, jnp.int32(checks.int_arg(pad, "pad_id", minimum=0)),
+                             eos_E, jnp.int32(pad_value(pad_id, eos_id, eos_E)),
                              max_new_tokens=max_new_tokens, capacity=capacity, M=M, D=D,
                              kv_dtype=kv_dtype)
 
@@ -379,7 +375,5 @@ def _draft_params(params, draft):
     if dc.vocab_size != c.vocab_size:
         raise ValueError(f"the draft model's vocabulary has {dc.vocab_size} tokens, the "
                          f"target's {c.vocab_size}: a draft must share the target's vocabulary")
-    if dc.is_encoder_decoder or dc.position == "relative":
-        raise ValueError("the draft model must be decoder-only with RoPE or learned positions")
-    checks.no_window(dc, "a draft model")
+    checks.linear_decoder(dc, "a draft model")
     return draft
