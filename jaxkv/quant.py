@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxkv import kernels
+
 Q8_BLOCK = 32  # inputs per scale in GGUF's Q8_0
 MATRICES = ("embed", "lm_head", "blocks.wqkv", "blocks.wo", "blocks.w_in", "blocks.w_out")
 LOOP_ROWS = 16  # up to this many rows (decode steps) run as one int8 loop each
@@ -114,7 +116,9 @@ def dense(x_BTI, w: Int8, b_O=None, dtype=None):
     of w is made); more rows (a prefill) multiply a float copy made for the call."""
     B, T, I = x_BTI.shape
     x_RI = x_BTI.reshape(B * T, I).astype(w.dtype)
-    if B * T == 1:
+    if kernels.fits(B * T) and kernels.int8_fits(w.q, w.scale):
+        y_RO = kernels.dense_int8(x_RI, w.q, w.scale)
+    elif B * T == 1:
         y_RO = row_product(x_RI[0], w)[None]
     elif B * T <= LOOP_ROWS:
         y_RO = jax.lax.map(lambda x_I: row_product(x_I, w), x_RI)

@@ -1,0 +1,140 @@
+"""CPU matrix products outside XLA's emitters: y = x @ w.T for a few rows of x (a decode step),
+streaming w once over every core (dense.cc, registered with XLA's FFI).
+
+XLA:CPU runs a one-row product at 0.3-0.6 of the read bandwidth (its loop fusion or its GEMV
+call, depending on the CPU), and converts int8 or bfloat16 weights slowly; a decode step is
+little else. dense.cc is compiled with the machine's C++ compiler for the CPU at hand
+(-march=native) the first time a process needs it, and cached by the hash of its source, its
+flags, jaxlib's version and the CPU's features: $JAXKV_CACHE (default ~/.cache/jaxkv)/kernels.
+
+Used only when the computation runs on the CPU (other platforms lower the plain einsum), for at
+most ROWS rows, and never where JAXKV_CPU_KERNELS=0. Without a compiler the products stay
+XLA's, with one warning saying why. Differentiable through a jvp that is the plain product.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+ROWS = 16  # up to this many rows of x go to the kernel; more (a prefill) to XLA's GEMM
+SOURCE = Path(__file__).with_name("dense.cc")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def enabled() -> bool:
+    """Whether products may use the kernels (JAXKV_CPU_KERNELS=0 turns them off)."""
+    return os.environ.get("JAXKV_CPU_KERNELS", "1") != "0" and registered()
+
+
+@functools.cache
+def registered() -> bool:
+    """Compile (or find compiled) and register the kernels once per process; False, with a
+    warning, when they cannot be built here."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build()))
+    except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+        warnings.warn(f"jaxkv: CPU product kernels unavailable, using XLA's ({e})", stacklevel=2)
+        return False
+    for name, symbol in (("jaxkv_dense", "JaxkvDense"), ("jaxkv_dense_int8", "JaxkvDenseInt8")):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
+    return True
+
+
+def _cpu_features() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+        return "\n".join(wanted[:2])
+    except OSError:
+        return platform.processor()
+
+
+def _build() -> Path:
+    """The compiled library for this source, compiler flags, jaxlib and CPU."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), jax.lib.__version__,
+                                    compiler, _cpu_features()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("JAXKV_CACHE", Path.home() / ".cache" / "jaxkv")) / "kernels"
+    target = cache / f"dense-{key}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then moved in whole
+            built = Path(tmp) / target.name
+            run = subprocess.run([compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(built)],
+                                 capture_output=True, text=True)
+            if run.returncode:
+                raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {run.stderr[-2000:]}")
+            os.replace(built, target)
+    return target
+
+
+def fits(rows: int) -> bool:
+    """Whether a product over this many rows of x should go to the kernels."""
+    return rows <= ROWS and enabled()
+
+
+def int8_fits(q_OI, scale_OB) -> bool:
+    """Whether dense_int8 takes this layout: one scale per row, or blocks of 2^k >= 16 inputs."""
+    K = q_OI.shape[1] // scale_OB.shape[1]
+    return scale_OB.shape[1] == 1 or (K >= 16 and K & (K - 1) == 0)
+
+
+@jax.custom_jvp
+def dense(x_RI, w_OI):
+    """x @ w.T in float32, w float32 or bfloat16 [O, I]: the kernel on the CPU, XLA elsewhere."""
+    return jax.lax.platform_dependent(
+        x_RI, w_OI, cpu=_ffi("jaxkv_dense"), default=lambda x, w: _xla(x, w))
+
+
+@jax.custom_jvp
+def dense_int8(x_RI, q_OI, scale_OB):
+    """x @ (q * scale).T in float32: q int8 [O, I], scale [O, NB] per block of I / NB inputs."""
+    return jax.lax.platform_dependent(
+        x_RI, q_OI, scale_OB, cpu=_ffi("jaxkv_dense_int8"),
+        default=lambda x, q, s: _xla(x, _dequantize(q, s)))
+
+
+def _ffi(target):
+    def call(x_RI, *w):
+        if not registered():
+            raise RuntimeError("jaxkv: the CPU product kernels could not be built (see the warning)")
+        y = jax.ShapeDtypeStruct((x_RI.shape[0], w[0].shape[0]), jnp.float32)
+        return jax.ffi.ffi_call(target, y, vmap_method="sequential")(x_RI.astype(jnp.float32), *w)
+    return call
+
+
+def _xla(x_RI, w_OI):
+    return jnp.einsum("RI,OI->RO", x_RI, w_OI, preferred_element_type=jnp.float32)
+
+
+def _dequantize(q_OI, scale_OB):
+    O, I = q_OI.shape
+    q_OBK = q_OI.reshape(O, scale_OB.shape[1], -1).astype(jnp.float32)
+    return (q_OBK * scale_OB[..., None].astype(jnp.float32)).reshape(O, I)
+
+
+@dense.defjvp
+def _dense_jvp(primals, tangents):
+    (x_RI, w_OI), (dx_RI, dw_OI) = primals, tangents
+    return dense(x_RI, w_OI), _xla(dx_RI, w_OI) + _xla(x_RI, dw_OI)
+
+
+@dense_int8.defjvp
+def _dense_int8_jvp(primals, tangents):  # int8 weights are constants: only x moves
+    (x_RI, q_OI, scale_OB), (dx_RI, _, _) = primals, tangents
+    return dense_int8(x_RI, q_OI, scale_OB), _xla(dx_RI, _dequantize(q_OI, scale_OB))
