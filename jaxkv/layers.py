@@ -71,12 +71,15 @@ def rope(x_BTNH, pos_BT, inv_freq_h):
 def dense(x_BTI, w_OI, b_O=None, dtype=None, gemv=False):
     """x @ w.T (+ b) with w stored [out, in]: a matrix-vector product streams w's rows.
 
-    Accumulates in float32; the result has x's dtype unless dtype is given. The form is chosen
-    for XLA:CPU (other backends compile both to the same product; measured with
+    Accumulates in float32; the result has x's dtype unless dtype is given. On the CPU, up to
+    kernels.ROWS rows (decode steps, small trees) of float32 or bfloat16 w go to jaxkv.kernels,
+    which stream w once over every core (SmolLM2 batch 1, 2-core Xeon: fp32 30.0 -> 21.3
+    ms/token). Otherwise (other platforms, more rows, JAXKV_CPU_KERNELS=0 or no compiler) the
+    form is chosen for XLA:CPU (other backends compile both to the same product; measured with
     scripts/profile_step.py):
-    - a single row (batch-1 decoding) is written x @ w.T, which XLA:CPU fuses with the
-      producers of x into one loop over w's rows, split over the cores: ~1.3x faster than its
-      GEMV call in float32, ~20x faster in bfloat16, which has no fast call;
+    - a single row is written x @ w.T, which XLA:CPU fuses with the producers of x into one
+      loop over w's rows, split over the cores: ~1.3x faster than its GEMV call in float32,
+      ~20x faster in bfloat16, which has no fast call;
     - but a float32 row calls GEMV (einsum) where that loop goes wrong: with a bias (XLA fuses
       the add into the product and copies w transposed on every call), or when the caller
       passes gemv=True because the loop would redo the work that made x for every row of w:

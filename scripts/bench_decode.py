@@ -457,12 +457,13 @@ def report(args, rows, cpp_rows):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     result = dict(device=jax.devices()[0].device_kind, cpu=cpu_name(), platform=platform.platform(),
                   cpu_count=os.cpu_count(), jax=jax.__version__, llama_cpp=_llamacpp_version(),
-                  prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows,
+                  products=products(), prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows,
                   llamacpp_rows=cpp_rows)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     print(f"decode, prompt {args.prompt_len} + {args.new_tokens} new, greedy, on "
-          f"{result['device']}: {result['cpu']}, {result['cpu_count']} cores")
+          f"{result['device']}: {result['cpu']}, {result['cpu_count']} cores; products: "
+          f"{result['products']}")
     print(f"{'model':10s} {'dtype':8s} {'B':>3s} {'ms/tok':>7s} {'tok/s':>8s} {'TTFT ms':>8s} "
           f"{'compile':>7s} {'MBU':>5s} {'(add)':>5s} {'HF ms/tok':>9s} {'vs HF':>6s} "
           f"{'cpp ms/tok':>10s} {'vs cpp':>6s}")
@@ -496,7 +497,8 @@ def markdown(result) -> str:
     """The tables as markdown, under a line naming the CPU."""
     lines = [f"Decode, prompt {result['prompt_len']} + {result['new_tokens']} new tokens, greedy; "
              f"{result['cpu']}, {result['cpu_count']} cores; jax {result['jax']}, llama.cpp "
-             f"(llama-cpp-python) {result['llama_cpp']}. int8: jaxkv.quantize (one scale per "
+             f"(llama-cpp-python) {result['llama_cpp']}; jaxkv's products: "
+             f"{result.get('products', 'XLA')}. int8: jaxkv.quantize (one scale per "
              "row); q8_0: jaxkv.load(Q8_0 file, int8=True) (one scale per 32 inputs).", "",
              "| model | jaxkv | batch | ms/token | tokens/s | vs jaxkv float32 | greedy = float32 "
              "| MBU | llama.cpp file | its ms/token | vs llama.cpp | greedy = llama.cpp |",
@@ -516,6 +518,12 @@ def markdown(result) -> str:
                   f"| {r['tokens_per_s']:.1f} | {r['own_ms_per_token']:.1f} | {r['mbu']:.2f} |"
                   for r in result["llamacpp_rows"]]
     return "\n".join(lines) + "\n"
+
+
+def products() -> str:
+    """Which matrix products jaxkv's decode steps ran: its CPU kernels or XLA's."""
+    on_cpu = jax.default_backend() == "cpu"
+    return "jaxkv CPU kernels" if on_cpu and jaxkv.kernels.enabled() else "XLA"
 
 
 def _llamacpp_version():

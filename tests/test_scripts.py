@@ -23,6 +23,7 @@ RUNS = {
                       "llama.cpp-Q8_0"],
     "bench_speculative": ["--prompts", "1", "--batches", "1", "--new-tokens", "4", "--trees",
                           "2x1", "--no-draft"],
+    "bench_kernels": ["--dtypes", "int8", "--rows", "1", "2", "--repeats", "1", "--layers", "1"],
     "bench_checks": ["--models", "tiny", "--batches", "1", "--new-tokens", "4", "--rounds", "1"],
 }
 

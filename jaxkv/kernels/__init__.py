@@ -63,9 +63,10 @@ def _cpu_features() -> str:
 
 def _build() -> Path:
     """The compiled library for this source, compiler flags, jaxlib and CPU."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    wanted = os.environ.get("CXX") or "g++"
+    compiler = shutil.which(wanted) or (wanted == "g++" and shutil.which("c++"))
     if not compiler:
-        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+        raise RuntimeError(f"no C++ compiler: {wanted!r} not found (set CXX, or install g++)")
     include = jax.ffi.include_dir()
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), jax.lib.__version__,
                                     compiler, _cpu_features()]).encode()).hexdigest()[:16]

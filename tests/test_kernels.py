@@ -1,0 +1,106 @@
+"""The CPU product kernels: exact against a float64 product for every weight format, shape tail
+and row count they take; differentiable and vmappable; lowered as the plain einsum on other
+platforms; decoding with them off (XLA's products) still equals the forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import kernels
+from jaxkv.quant import dequantize_rows, quantize_matrix
+from tests.conftest import CONFIGS, assert_decode_equals_forward, random_tokens
+
+
+def reference(x_RI, w_OI):
+    return np.asarray(x_RI, np.float64) @ np.asarray(w_OI, np.float64).T
+
+
+@pytest.mark.parametrize("R,I,O", [(1, 64, 96), (3, 576, 200), (16, 96, 4096), (5, 37, 13)],
+                         ids=["one_row", "several_rows", "sixteen_rows", "tails"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_float_product_equals_float64(R, I, O, dtype):
+    """Rows not a multiple of the 4-row tile, inputs not a multiple of 16 lanes, many chunks."""
+    x_RI = jax.random.normal(jax.random.key(0), (R, I))
+    w_OI = jax.random.normal(jax.random.key(1), (O, I)).astype(dtype)
+    y_RO = jax.jit(kernels.dense)(x_RI, w_OI)
+    assert y_RO.dtype == jnp.float32 and y_RO.shape == (R, O)
+    np.testing.assert_allclose(y_RO, reference(x_RI, w_OI.astype(jnp.float32)), atol=2e-5 * I)
+
+
+@pytest.mark.parametrize("block", [None, 16, 32])
+@pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("R", [1, 6])
+def test_int8_product_equals_float64_of_the_dequantized_weights(block, scale_dtype, R):
+    x_RI = jax.random.normal(jax.random.key(0), (R, 128))
+    w = quantize_matrix(jax.random.normal(jax.random.key(1), (300, 128)), block)
+    scale_OB = w.scale.astype(scale_dtype)
+    assert kernels.int8_fits(w.q, scale_OB)
+    y_RO = jax.jit(kernels.dense_int8)(x_RI, w.q, scale_OB)
+    w_OI = dequantize_rows(w.q, scale_OB.astype(jnp.float32))
+    np.testing.assert_allclose(y_RO, reference(x_RI, w_OI), atol=1e-4, rtol=1e-5)
+
+
+def test_int8_blocks_it_does_not_take_are_named():
+    """Blocks of 48 inputs (not a power of two) stay with XLA: int8_fits says so."""
+    w = quantize_matrix(jnp.ones((4, 96)), block=48)
+    assert not kernels.int8_fits(w.q, w.scale)
+
+
+def test_gradients_and_vmap_equal_the_plain_product():
+    x_RI = jax.random.normal(jax.random.key(0), (2, 64))
+    w_OI = jax.random.normal(jax.random.key(1), (32, 64))
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))  # noqa: E731
+    grads = jax.grad(loss(kernels.dense), argnums=(0, 1))(x_RI, w_OI)
+    expected = jax.grad(loss(lambda x, w: x @ w.T), argnums=(0, 1))(x_RI, w_OI)
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+    batched = jax.vmap(kernels.dense, (0, None))(x_RI[:, None], w_OI)[:, 0]
+    np.testing.assert_allclose(batched, x_RI @ w_OI.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_other_platforms_lower_the_plain_product(platform):
+    """The same function lowered for a GPU or TPU holds no call to the CPU kernels."""
+    x_RI, w_OI = jnp.ones((1, 64)), jnp.ones((32, 64), jnp.bfloat16)
+    lower = lambda *p: jax.jit(kernels.dense).trace(x_RI, w_OI).lower(lowering_platforms=p)  # noqa: E731
+    text = lower(platform).as_text()
+    assert "jaxkv_dense" not in text and "dot_general" in text
+    assert "@jaxkv_dense(" in lower("cpu").as_text()
+
+
+def test_decode_step_calls_the_kernels_on_the_cpu():
+    params = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(0))
+    cache = jaxkv.init_cache(params, 1, 16)
+    step = jax.jit(jaxkv.decode_step).lower(params, cache, jnp.zeros(1, jnp.int32),
+                                            jnp.zeros(1, jnp.int32))
+    # 3 layers x (wqkv, wo, w_in, w_out) + the head
+    assert step.as_text().count("@jaxkv_dense(") == 13
+
+
+@pytest.fixture
+def xla_products(monkeypatch):
+    """Products left to XLA (as without a compiler, or with JAXKV_CPU_KERNELS=0)."""
+    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
+    jax.clear_caches()
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("name,block", [("llama_gqa", "float"), ("gpt2", None),
+                                        ("llama_mqa", 32)])
+def test_decoding_with_xla_products_equals_forward(xla_products, name, block):
+    params = jaxkv.init_params(CONFIGS[name], jax.random.key(1))
+    if block != "float":
+        params = jaxkv.quantize(params, block=block)
+    assert not kernels.fits(1)
+    assert_decode_equals_forward(params, random_tokens(2, (2, 12)), 8, 20)
+
+
+def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no-such-compiler"):
+        kernels._build()
