@@ -90,7 +90,7 @@ def dense(x_BTI, w_OI, b_O=None, dtype=None, gemv=False):
         return quant.dense(x_BTI, w_OI, b_O, dtype)
     B, T, I = x_BTI.shape
     gemv_call = x_BTI.dtype == jnp.float32 and (b_O is not None or gemv)
-    if kernels.fits(B * T) and w_OI.dtype in (jnp.float32, jnp.bfloat16):
+    if kernels.fits(B * T, w_OI.dtype):
         y_BTO = kernels.dense(x_BTI.reshape(B * T, I), w_OI).reshape(B, T, -1)
     elif B * T == 1 and not gemv_call:
         y_BTO = (x_BTI.reshape(1, I) @ w_OI.T).reshape(B, T, -1)

@@ -122,7 +122,7 @@ def dense(x_BTI, w: Int8, b_O=None, dtype=None):
     of w is made); more rows (a prefill) multiply a float copy made for the call."""
     B, T, I = x_BTI.shape
     x_RI = x_BTI.reshape(B * T, I).astype(w.dtype)
-    if kernels.fits(B * T) and kernels.int8_fits(w.q, w.scale):
+    if kernels.fits(B * T, jnp.int8) and kernels.int8_fits(w.q, w.scale):
         y_RO = kernels.dense_int8(x_RI, w.q, w.scale)
     elif B * T == 1:
         y_RO = row_product(x_RI[0], w)[None]

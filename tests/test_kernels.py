@@ -95,7 +95,7 @@ def test_decoding_with_xla_products_equals_forward(xla_products, name, block):
     params = jaxkv.init_params(CONFIGS[name], jax.random.key(1))
     if block != "float":
         params = jaxkv.quantize(params, block=block)
-    assert not kernels.fits(1)
+    assert not kernels.fits(1, jnp.float32)
     assert_decode_equals_forward(params, random_tokens(2, (2, 12)), 8, 20)
 
 
