@@ -541,6 +541,8 @@ def plot(args, result):
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
+    if {r["batch"] for r in rows} == {1}:
+        return plot_batch_one(args, result)
     cells = sorted({(r["model"], r["dtype"]) for r in rows})
     fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 4), squeeze=False)
     for ax, (model, dtype) in zip(axes[0], cells):
@@ -563,6 +565,30 @@ def plot(args, result):
     fig.suptitle(f"decode, prompt {args.prompt_len} + {args.new_tokens} new, "
                  f"{result['device']}, {result['cpu']} x {result['cpu_count']} "
                  f"(memory read up to {peak / 1e9:.0f} GB/s)")
+    fig.tight_layout()
+    fig.savefig(args.out + ".png", dpi=110)
+
+
+def plot_batch_one(args, result):
+    """Batch 1 only: bars of tokens/s per engine and format, each model's memory floor dotted."""
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(8 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        bars = [(f"jaxkv {r['dtype']}", r["tokens_per_s"], r["bandwidth"]["read"] / r["step_bytes"],
+                 "tab:blue") for r in result["rows"] if r["model"] == model]
+        bars += [(f"llama.cpp {r['gguf_type']}", r["tokens_per_s"],
+                  r["bandwidth"]["read"] / r["step_bytes"], "tab:orange")
+                 for r in result["llamacpp_rows"] if r["model"] == model]
+        x = np.arange(len(bars))
+        ax.bar(x, [b[1] for b in bars], color=[b[3] for b in bars])
+        ax.plot(x, [b[2] for b in bars], "k_", markersize=20, label="memory floor (read bandwidth)")
+        ax.set_xticks(x, [b[0] for b in bars], rotation=30, ha="right")
+        ax.set(ylabel="tokens/s", title=f"{model}, batch 1")
+        ax.legend()
+    fig.suptitle(f"decode, prompt {args.prompt_len} + {args.new_tokens} new, {result['cpu']} x "
+                 f"{result['cpu_count']}\njaxkv products: {result.get('products', 'XLA')}")
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=110)
 
