@@ -125,9 +125,10 @@ def plot(args, result):
     fig, ax = plt.subplots(figsize=(6, 4))
     for dtype in args.dtypes:
         sel = [r for r in result["rows"] if r["dtype"] == dtype]
-        ax.plot([r["rows"] for r in sel], [r["speedup"] for r in sel], "o-", label=dtype)
+        line, = ax.plot([r["rows"] for r in sel], [r["speedup"] for r in sel], "o-", label=dtype)
+        ax.axvline(result["rows_limit"][dtype], color=line.get_color(), linestyle="--",
+                   label=f"kernels.ROWS for {dtype}")
     ax.axhline(1, color="gray", linestyle=":")
-    ax.axvline(result["rows_limit"], color="gray", linestyle="--", label="kernels.ROWS")
     ax.set(xscale="log", xlabel="rows of x (batch x tokens)", ylabel="XLA time / kernel time",
            title=f"SmolLM2 step products, {result['cpu']} x {result['cpu_count']}")
     ax.grid(True, which="both", alpha=0.3)
