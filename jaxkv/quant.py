@@ -117,9 +117,9 @@ def quantize(params, kind: str = "int8", block: int | None = None):
 
 def dense(x_BTI, w: Int8, b_O=None, dtype=None):
     """x @ w.T (+ b) reading w as int8: the CPU kernel (see above), else up to LOOP_ROWS rows
-    each run one loop over w's rows
-    that converts as it goes (XLA:CPU fuses the conversion into the product, so no float copy
-    of w is made); more rows (a prefill) multiply a float copy made for the call."""
+    each run one loop over w's rows that converts as it goes (XLA:CPU fuses the conversion into
+    the product, so no float copy of w is made); more rows (a prefill) multiply a float copy
+    made for the call."""
     B, T, I = x_BTI.shape
     x_RI = x_BTI.reshape(B * T, I).astype(w.dtype)
     if kernels.fits(B * T, jnp.int8) and kernels.int8_fits(w.q, w.scale):

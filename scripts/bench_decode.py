@@ -457,8 +457,8 @@ def report(args, rows, cpp_rows):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     result = dict(device=jax.devices()[0].device_kind, cpu=cpu_name(), platform=platform.platform(),
                   cpu_count=os.cpu_count(), jax=jax.__version__, llama_cpp=_llamacpp_version(),
-                  products=products(), prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows,
-                  llamacpp_rows=cpp_rows)
+                  products=products(), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                  rows=rows, llamacpp_rows=cpp_rows)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     print(f"decode, prompt {args.prompt_len} + {args.new_tokens} new, greedy, on "
@@ -522,8 +522,7 @@ def markdown(result) -> str:
 
 def products() -> str:
     """Which matrix products jaxkv's decode steps ran: its CPU kernels or XLA's."""
-    on_cpu = jax.default_backend() == "cpu"
-    return "jaxkv CPU kernels" if on_cpu and jaxkv.kernels.enabled() else "XLA"
+    return "jaxkv CPU kernels" if jaxkv.kernels.enabled() else "XLA"
 
 
 def _llamacpp_version():

@@ -26,6 +26,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxkv import quant
+
 # Up to this many rows of x go to the kernel, by weight format; more (a prefill) to XLA's GEMM.
 # scripts/bench_kernels.py, SmolLM2's step products, 2-core Xeon: float32 1.16x XLA at 1 row,
 # 1.74x at 4, 1.17x at 16, 0.98x at 32; bfloat16 and int8 (XLA converts them first) 10-26x at
@@ -36,8 +38,10 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
 def enabled() -> bool:
-    """Whether products may use the kernels (JAXKV_CPU_KERNELS=0 turns them off)."""
-    return os.environ.get("JAXKV_CPU_KERNELS", "1") != "0" and registered()
+    """Whether products may use the kernels: JAX computes on the CPU (a GPU or TPU process
+    neither builds them nor traces their branch) and JAXKV_CPU_KERNELS is not 0."""
+    return (jax.default_backend() == "cpu" and os.environ.get("JAXKV_CPU_KERNELS", "1") != "0"
+            and registered())
 
 
 @functools.cache
@@ -118,7 +122,8 @@ def dense_int8(x_RI, q_OI, scale_OB):
 def _ffi(target):
     def call(x_RI, *w):
         if not registered():
-            raise RuntimeError("jaxkv: the CPU product kernels could not be built (see the warning)")
+            raise RuntimeError("jaxkv: the CPU product kernels could not be built (see the "
+                               "warning)")
         y = jax.ShapeDtypeStruct((x_RI.shape[0], w[0].shape[0]), jnp.float32)
         return jax.ffi.ffi_call(target, y, vmap_method="sequential")(x_RI.astype(jnp.float32), *w)
     return call
@@ -129,9 +134,7 @@ def _xla(x_RI, w_OI):
 
 
 def _dequantize(q_OI, scale_OB):
-    O, I = q_OI.shape
-    q_OBK = q_OI.reshape(O, scale_OB.shape[1], -1).astype(jnp.float32)
-    return (q_OBK * scale_OB[..., None].astype(jnp.float32)).reshape(O, I)
+    return quant.dequantize_rows(q_OI, scale_OB.astype(jnp.float32))
 
 
 @dense.defjvp

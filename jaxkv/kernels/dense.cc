@@ -62,8 +62,6 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
-inline float f16_to_f32(uint16_t h) { return float(*reinterpret_cast<const _Float16*>(&h)); }
-
 inline float sum_lanes(f32xL v) {
 #if defined(__AVX512F__)
   __m512 m;
@@ -205,8 +203,9 @@ constexpr int64_t kChunkBytes = 64 << 10;  // below this much of w per chunk, fe
 
 template <typename Rows>
 void Dense(ffi::ThreadPool pool, const Rows& w, const float* x, float* y, int64_t R, int64_t I,
-           int64_t O, int64_t w_bytes) {
+           int64_t O) {
   int64_t I_vec = I - I % kLanes;
+  int64_t w_bytes = O * I * int64_t(sizeof(*w.Row(0)));
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t n = std::min<int64_t>(4 * threads, std::max<int64_t>(1, w_bytes / kChunkBytes));
   int64_t rows_per = (O + n - 1) / n;
@@ -244,12 +243,10 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   float* yp = y->typed_data();
   switch (w.element_type()) {
     case ffi::F32:
-      Dense(pool, F32Rows{static_cast<const float*>(w.untyped_data()), I}, xp, yp, R, I, O,
-            O * I * 4);
+      Dense(pool, F32Rows{static_cast<const float*>(w.untyped_data()), I}, xp, yp, R, I, O);
       return ffi::Error::Success();
     case ffi::BF16:
-      Dense(pool, BF16Rows{static_cast<const uint16_t*>(w.untyped_data()), I}, xp, yp, R, I, O,
-            O * I * 2);
+      Dense(pool, BF16Rows{static_cast<const uint16_t*>(w.untyped_data()), I}, xp, yp, R, I, O);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("jaxkv dense: w must be float32 or bfloat16");
@@ -260,8 +257,8 @@ template <typename Scale>
 void DenseInt8Typed(ffi::ThreadPool pool, const int8_t* q, const void* scale, const float* x,
                     float* y, int64_t R, int64_t I, int64_t O, int64_t NB) {
   const auto* s = static_cast<const Scale*>(scale);
-  if (NB == 1) Dense(pool, Int8Rows<Scale, false>{q, s, I, NB, 0}, x, y, R, I, O, O * I);
-  else Dense(pool, Int8Rows<Scale, true>{q, s, I, NB, __builtin_ctzll(I / NB)}, x, y, R, I, O, O * I);
+  if (NB == 1) Dense(pool, Int8Rows<Scale, false>{q, s, I, NB, 0}, x, y, R, I, O);
+  else Dense(pool, Int8Rows<Scale, true>{q, s, I, NB, __builtin_ctzll(I / NB)}, x, y, R, I, O);
 }
 
 ffi::Error DenseInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q,
