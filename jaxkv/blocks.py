@@ -43,7 +43,7 @@ def residual(config, x_BTD, y_BTD, out_norm):
 
 
 def self_attention(config, b, x_BTD, pos_BT, mask_BTS=None, bias_BNTS=None, kv=None,
-                   prefix=None, local=False):
+                   prefix=None, local=False, write=True):
     """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)); local: a window layer (its RoPE).
 
     kv is None when the keys are this call's tokens (uncached: mask_BTS over them), or
@@ -51,6 +51,8 @@ def self_attention(config, b, x_BTD, pos_BT, mask_BTS=None, bias_BNTS=None, kv=N
     cache.View says, in one softmax; then their keys and values are written at view.slot_BT.
     prefix, optional, is (k_PKSH, v_PKSH, mask_PS, prefix_len): keys shared by groups of B / P
     rows (a common prompt), attended once per group and merged by log-sum-exp.
+    write=False leaves the cache as it was and returns this call's keys and values [B, K, T, H]
+    in place of the cache's, for the caller to store where it chooses.
     """
     h_BTD = norm(x_BTD, b.attn_norm, config.norm, config.norm_eps)
     q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, h_BTD, pos_BT, local)
@@ -67,12 +69,14 @@ def self_attention(config, b, x_BTD, pos_BT, mask_BTS=None, bias_BNTS=None, kv=N
     if prefix is not None:
         shared = attend_shared(q_BTNH, *prefix[:3], scale, prefix[3], cap)
         out_BTNH, _ = merge_parts(out_BTNH, lse_BTN, *shared)
+    out_BTD = project_out(b, out_BTNH.astype(x_BTD.dtype))
+    if not write:
+        return residual(config, x_BTD, out_BTD, b.attn_out_norm), (k_BKTH, v_BKTH)
     # The writes come after the reads and depend on them (+ 0 * output), which lets XLA update
     # the cache in place; written while a read of it is pending, XLA copies the whole cache.
     after_BT11 = 0 * out_BTNH[:, :, :1, :1]
     k_BKSH = cache_lib.write(k_cache, k_BTKH + after_BT11, view.slot_BT)
     v_BKSH = cache_lib.write(v_cache, v_BTKH + after_BT11, view.slot_BT)
-    out_BTD = project_out(b, out_BTNH.astype(x_BTD.dtype))
     return residual(config, x_BTD, out_BTD, b.attn_out_norm), (k_BKSH, v_BKSH)
 
 

@@ -183,6 +183,14 @@ def at_slots(x_BXTS, slot_BT):
     return jnp.take_along_axis(x_BXTS, index, axis=-1, mode="fill", fill_value=0)
 
 
+def store(cache: KVCache, kv, slot_BT) -> KVCache:
+    """cache with a pass's own keys and values kv = (k, v), L x [B, K, T, H] (as
+    decoder.cached_pass returns them with write=False), stored at slot_BT [B, T] of every layer;
+    slots outside [0, S) are dropped."""
+    put = lambda layer, new_BKTH: write(layer, jnp.swapaxes(new_BKTH, 1, 2), slot_BT)  # noqa
+    return cache.replace(k=tuple(map(put, cache.k, kv[0])), v=tuple(map(put, cache.v, kv[1])))
+
+
 def write(cache_BKSH, new_BTKH, slot_BT):
     """Stores new_BTKH[b, t] at slot slot_BT[b, t] of row b; slots outside [0, S) are dropped.
     An Int8KV cache stores them quantized, and their scales [B, K, S] the same way."""

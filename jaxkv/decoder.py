@@ -57,7 +57,7 @@ def window_mask(config, mask_BTS, pos_BT):
 
 
 def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cross=None,
-           prefix=None):
+           prefix=None, write=True):
     """All decoder layers (an unrolled loop: see params.py) -> (x_BTD, (k, v)): per layer
     [B, K, S, H] keys and values after this call's writes.
 
@@ -66,6 +66,7 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
     cross: None or (k, v per layer [B, K, M, H], mask_BM), the encoder's precomputed keys/values.
     prefix: None or (k, v per layer [P, K, S', H], mask_PS', kv_len'): keys shared by groups
     of rows.
+    write=False: the cache is only read, and (k, v) are this call's own, [B, K, T, H] per layer.
     """
     c = params.config
     local_BTS = c.window_layers and self_kv is None and window_mask(c, mask_BTS, pos_BT)
@@ -76,7 +77,8 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
                                            self_kv[3 if local else 2])
         shared = None if prefix is None else (prefix[0][layer], prefix[1][layer], *prefix[2:])
         x_BTD, (k_BKSH, v_BKSH) = blocks.self_attention(
-            c, b, x_BTD, pos_BT, local_BTS if local else mask_BTS, bias_BNTS, kv, shared, local)
+            c, b, x_BTD, pos_BT, local_BTS if local else mask_BTS, bias_BNTS, kv, shared, local,
+            write)
         if cross is not None:
             x_BTD = blocks.cross_attention(c, params.cross[layer], x_BTD, cross[0][layer],
                                            cross[1][layer], cross[2])
@@ -145,9 +147,15 @@ def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
 
 
 def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
-                prefix=None, kv_len=None):
+                prefix=None, kv_len=None, write=True):
     """extend for arguments whose values the caller has checked (the cache's layout is checked
-    here: it is static)."""
+    here: it is static).
+
+    write=False (linear caches only) reads the cache as if the tokens were at slot_BT but stores
+    nothing: it returns (x_BTD, (k, v)), the tokens' own keys and values, L x [B, K, T, H], for
+    the caller to store (cache.store) once it knows which to keep. Inside a lax.cond that keeps
+    the cache a read-only operand: a branch that updates it makes XLA copy the whole cache.
+    """
     c = params.config
     checks.cache_layout(c, cache)
     if prefix is not None:
@@ -158,6 +166,8 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
     bias = self_bias(params, pos_BT, slots_BS)
     views = [cache_lib.linear_view(mask_BTS, slot_BT, kv_len), None]
     ring_pos = cache.ring_pos
+    if not write:
+        checks.no_window(c, "a cached pass that does not write")
     if ring_pos is not None:
         checks.fits_ring(tokens_BT.shape[1], ring_pos.shape[1])
         checks.ring_holds(ring_pos, pos_BT[:, 0], slot_BT[:, 0] < cache.capacity,
@@ -167,8 +177,8 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
     cross = None if cache.cross_k is None else (cache.cross_k, cache.cross_v, cache.cross_mask)
     shared = None if prefix is None else (prefix[0].k, prefix[0].v, *prefix[1:])
     x_BTD, (k, v) = layers(params, x_BTD, pos_BT, None, bias, (cache.k, cache.v, *views), cross,
-                           shared)
-    return x_BTD, cache.replace(k=k, v=v, ring_pos=ring_pos)
+                           shared, write)
+    return x_BTD, (cache.replace(k=k, v=v, ring_pos=ring_pos) if write else (k, v))
 
 
 CHUNK = 256  # prompt tokens per prefill pass: 2048 tokens 4.0 s vs 7.7 (512), 5.7 (128)

@@ -33,7 +33,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import checks
-from jaxkv.cache import init_cache
+from jaxkv.cache import init_cache, store
 from jaxkv.decoder import cached_pass, logits, prefill_padded
 from jaxkv.generate import capacity_for, eos_ids, pad_value, prepare_prompts
 from jaxkv.params import Params
@@ -41,15 +41,17 @@ from jaxkv.sampling import argmax, row_keys, sample, sampling_params
 from jaxkv.tracecount import count_trace
 
 NGRAM = 3  # lookup matches the last 1..NGRAM tokens; longer matches rank first, then recency
-# When drafting pays. A tree pass costs more than a one-token step: ~TREE_COST of a step more
-# per extra node and row (SmolLM2 fp32, 2-core Xeon: 5 nodes 53 ms vs 1 node 35 ms at batch 1).
-# Each row keeps a running mean of the drafted tokens it accepts per tree (halved towards each
-# new result); a round drafts, for every row with chains, when their means add up to the extra
-# cost the tree puts on all live rows. A row whose chains are skipped regains RECOVER a round,
-# so after a run of misses the batch tries again now and then (~every 1 / RECOVER rounds).
-TREE_COST = 0.125
-RECOVER = 0.01
-
+# When drafting pays. A pass over R rows (tokens of all rows together) costs about
+# 1 + ROW_COST (R - 1) one-row steps: its products read every weight once, and each row adds
+# compute (SmolLM2 fp32, 2-core Xeon, scripts/bench_speculative.py --costs: 9 rows 1.66, 36
+# rows 4.1). A tree of N nodes per row therefore costs a batch of B rows
+# ROW_COST B (N - 1) / (1 + ROW_COST (B - 1)) steps more than a plain step; a round drafts when
+# the live rows' expected accepted tokens add up to that many per live row. Each row's
+# expectation is a running mean (halved towards each new value) of what its drafts got accepted,
+# and, in rounds it did not draft, of what they would have: the lookup tree made D tokens
+# earlier, checked against the D tokens committed since; for a draft model, D if one of its
+# first tokens is the target's own next token, else 0 (as if the rest would follow).
+ROW_COST = 0.1
 
 @struct.dataclass
 class Stats:
@@ -69,13 +71,14 @@ class Stats:
 
 @functools.lru_cache(maxsize=32)
 def tree_shape(M: int, D: int):
-    """(depth [N], ancestor-or-self mask [N, N]) of a root with M chains of D nodes: node 0 is
-    the root (the pending token), chain m's d-th node is 1 + m D + d."""
+    """(depth [N], chain [N] (-1 for the root), ancestor-or-self mask [N, N]) of a root with M
+    chains of D nodes: node 0 is the root (the pending token), chain m's d-th node is
+    1 + m D + d."""
     depth_N = np.concatenate([[0], np.tile(np.arange(1, D + 1), M)]).astype(np.int32)
     chain_N = np.concatenate([[-1], np.repeat(np.arange(M), D)])
     anc_NN = (chain_N[:, None] == chain_N[None, :]) & (depth_N[None, :] <= depth_N[:, None])
     anc_NN[:, 0] = True
-    return depth_N, anc_NN
+    return depth_N, chain_N, anc_NN
 
 
 def tree_mask(pos_B, nodes, anc_NN, capacity: int):
@@ -90,16 +93,17 @@ def tree_mask(pos_B, nodes, anc_NN, capacity: int):
 
 
 def tree_pass(params: Params, cache, tokens_BT, pos_B, nodes, M: int, D: int):
-    """Feeds the tree nodes `nodes` (tokens [B, T]) of trees rooted at pos_B: (logits [B, T, V],
-    cache)."""
-    depth_N, anc_NN = tree_shape(M, D)
+    """Scores the tree nodes `nodes` (tokens [B, T]) of trees rooted at pos_B, reading the cache
+    as if each node sat at its tree slot but storing nothing: (logits [B, T, V], the nodes'
+    keys and values, L x [B, K, T, H], for cache.store)."""
+    depth_N, _, anc_NN = tree_shape(M, D)
     nodes = np.asarray(nodes)
     node_pos_BT = pos_B[:, None] + depth_N[nodes][None, :]
     slot_BT = pos_B[:, None] + nodes[None, :]
     mask_BTS = tree_mask(pos_B, nodes, anc_NN, cache.capacity)
-    x_BTD, cache = cached_pass(params, cache, tokens_BT, node_pos_BT, slot_BT, mask_BTS,
-                               kv_len=jnp.max(pos_B) + 1 + M * D)
-    return logits(params, x_BTD), cache
+    x_BTD, kv = cached_pass(params, cache, tokens_BT, node_pos_BT, slot_BT, mask_BTS,
+                            kv_len=jnp.max(pos_B) + 1 + M * D, write=False)
+    return logits(params, x_BTD), kv
 
 
 # ---- drafts -------------------------------------------------------------------------------
@@ -136,6 +140,18 @@ def lookup_chains(hist_BL, hlen_B, M: int, D: int):
     return jnp.where(usable_BMD, tokens_BMD, 0), usable_BMD & ~repeat_BM[:, :, None]
 
 
+def lookup_hindsight(hist_BL, hlen_B, M: int, D: int):
+    """[B]: the drafted tokens that the lookup tree made D tokens ago (from the history as it
+    was then) would have had accepted: its chains' leading matches with the D tokens committed
+    since, the target's own draws. 0 where the history is shorter."""
+    then_B = hlen_B - D
+    chain_BMD, usable_BMD = lookup_chains(hist_BL, jnp.maximum(then_B, 1), M, D)
+    since_BD = jnp.take_along_axis(hist_BL, jnp.maximum(then_B, 0)[:, None] + jnp.arange(D),
+                                   axis=1)
+    a_BM = accepted_depth(chain_BMD, usable_BMD, since_BD[:, None, :])
+    return jnp.where(then_B >= 1, jnp.max(a_BM, axis=1), 0)
+
+
 def draft_chains(dparams: Params, dcache, prev_B, need_prev_B, pending_B, pos_B, M: int,
                  D: int):
     """Chains from a draft model: its top M tokens after the pending one, each continued
@@ -154,8 +170,8 @@ def draft_chains(dparams: Params, dcache, prev_B, need_prev_B, pending_B, pos_B,
     chain_BMD = jnp.zeros((B, M, D), jnp.int32).at[:, :, 0].set(first_BM)
     for d in range(1, D):
         nodes = 1 + np.arange(M) * D + d - 1
-        logits_BMV, dcache = tree_pass(dparams, dcache, chain_BMD[:, :, d - 1], pos_B, nodes, M,
-                                       D)
+        logits_BMV, kv = tree_pass(dparams, dcache, chain_BMD[:, :, d - 1], pos_B, nodes, M, D)
+        dcache = store(dcache, kv, pos_B[:, None] + nodes[None, :])
         chain_BMD = chain_BMD.at[:, :, d].set(argmax(logits_BMV))
     return chain_BMD, dcache
 
@@ -186,6 +202,15 @@ def walk(draw_BN, chain_BMD, usable_BMD):
     committed_BJ = jnp.where(j_J < a_B[:, None], jnp.pad(chain_BD, ((0, 0), (0, 1))),
                              jnp.where(j_J == a_B[:, None], bonus_B[:, None], -1))
     return m_B, a_B, committed_BJ
+
+
+def kept_slots(pos_B, m_B, a_B, M: int, D: int, capacity: int):
+    """[B, 1 + M D]: the slot each tree node's K/V is stored at, so that accept & compact is one
+    write: the root at pos_B, chain m_B's first a_B nodes right after it, every other node
+    nowhere (capacity: dropped), never visible again."""
+    depth_N, chain_N, _ = tree_shape(M, D)
+    keep_BN = ((chain_N == m_B[:, None]) & (depth_N <= a_B[:, None])) | (depth_N == 0)
+    return jnp.where(keep_BN, pos_B[:, None] + depth_N, capacity)
 
 
 def compact(cache, pos_B, m_B, a_B, D: int):
@@ -255,7 +280,9 @@ def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, e
                       max_new_tokens: int, capacity: int, M: int, D: int, kv_dtype=None):
     count_trace("speculative")
     B, T = tokens_BT.shape
-    depth_N, _ = tree_shape(M, D)
+    depth_N, _, _ = tree_shape(M, D)
+    N = 1 + M * D
+    extra_steps = ROW_COST * B * (N - 1) / (1 + ROW_COST * (B - 1))  # a tree's, per live row
     start_B = jnp.zeros((B,), jnp.int32)
     logits_BV, cache = prefill_padded(params, init_cache(params, B, capacity, kv_dtype),
                                       tokens_BT, lengths_B, start_B)
@@ -285,31 +312,34 @@ def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, e
             usable_BMD = jnp.ones((B, M, D), bool)
         offered_B = usable_BMD.any((1, 2)) & ~s.done
         worth = jnp.sum(jnp.where(offered_B, s.gain, 0.0))
-        drafting_B = offered_B & (worth >= TREE_COST * M * D * jnp.sum(~s.done))
+        drafting_B = offered_B & (worth >= extra_steps * jnp.sum(~s.done))
         usable_BMD &= drafting_B[:, None, None]
         step_BN = s.t[:, None] + depth_N[None, :]
         tree_BN = jnp.concatenate([pending_B[:, None], chain_BMD.reshape(B, -1)], axis=1)
 
-        def full(cache):
-            logits_BNV, cache = tree_pass(params, cache, tree_BN, s.pos, np.arange(1 + M * D),
-                                          M, D)
+        def full():
+            logits_BNV, kv = tree_pass(params, s.cache, tree_BN, s.pos, np.arange(N), M, D)
             m_B, a_B, committed_BJ = walk(_draw(logits_BNV, sampling, keys_B, step_BN),
                                           chain_BMD, usable_BMD)
-            a_B = jnp.where(s.done, 0, a_B)
-            return m_B, a_B, committed_BJ, compact(cache, s.pos, m_B, a_B, D)
+            return m_B, jnp.where(s.done, 0, a_B), committed_BJ, kv
 
-        def root_only(cache):  # no row drafts: an ordinary decode step, nothing to compact
-            logits_B1V, cache = tree_pass(params, cache, pending_B[:, None], s.pos, [0], M, D)
+        def root_only():  # no row drafts: an ordinary decode step
+            logits_B1V, kv = tree_pass(params, s.cache, pending_B[:, None], s.pos, [0], M, D)
             draw_B1 = _draw(logits_B1V, sampling, keys_B, step_BN[:, :1])
             zeros_B = jnp.zeros((B,), jnp.int32)
-            return zeros_B, zeros_B, jnp.pad(draw_B1, ((0, 0), (0, D)), constant_values=-1), cache
+            kv = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, N - 1), (0, 0))), kv)
+            return zeros_B, zeros_B, jnp.pad(draw_B1, ((0, 0), (0, D)), constant_values=-1), kv
 
-        m_B, a_B, committed_BJ, cache = jax.lax.cond(jnp.any(drafting_B), full, root_only,
-                                                     s.cache)
+        m_B, a_B, committed_BJ, kv = jax.lax.cond(jnp.any(drafting_B), full, root_only)
+        cache = store(s.cache, kv, kept_slots(s.pos, m_B, a_B, M, D, capacity))
         if dcache is not None:
             dcache = compact(dcache, s.pos, m_B, a_B, D)
-        gain_B = jnp.where(drafting_B, (s.gain + a_B) / 2,
-                           jnp.where(offered_B, jnp.minimum(s.gain + RECOVER, D), s.gain))
+        if dparams is None:
+            missed_B = lookup_hindsight(s.hist, s.pos + 1, M, D)
+        else:
+            missed_B = D * (chain_BMD[:, :, 0] == committed_BJ[:, :1]).any(1)
+        seen_B = jnp.where(drafting_B, a_B, missed_B)
+        gain_B = jnp.where(s.done, s.gain, (s.gain + seen_B) / 2)
         s = s.replace(cache=cache, dcache=dcache, gain=gain_B,
                       need_prev=jnp.where(s.done, s.need_prev, a_B == D))
         return _commit(s, committed_BJ, a_B, eos_E, max_new_tokens)
@@ -329,7 +359,7 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
     draft: "lookup" (n-gram matches of the row's latest tokens in its prompt and answer) or a
     draft model's Params with the target's vocabulary. n_draft: tokens per drafted chain (D);
     n_branches: chains per round (M). Each pass scores 1 + M D tokens and commits 1 to D + 1 of
-    them per row; rows draft only while it pays (TREE_COST). Defaults chosen with
+    them per row; rows draft only while it pays (ROW_COST). Defaults chosen with
     scripts/bench_speculative.py (SmolLM2 fp32, 2-core Xeon): 8 x 1 was fastest at batch 1
     (3.17x on prompts with text to copy) and within 6% of the best elsewhere; a second branch
     cost more than it gained. Other options as generate's; tokens and lengths equal generate's
