@@ -76,7 +76,7 @@ def seconds(fn, *args, calls=10):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=30, help="SmolLM2 has 30")
     ap.add_argument("--out", default="results/bench_kernels")
