@@ -6,16 +6,18 @@ pending one, not fed yet. A round:
    row's own prompt and answer (`lookup_chains`), or a draft model's top M first tokens, each
    continued greedily (`draft_chains`). Chains that begin alike form a trie, stored chain by
    chain (a node shared by two chains is computed twice; the tree keeps one fixed shape).
-2. One forest pass over the target's cache (decoder.cached_pass with a tree mask): the pending
-   token at slot p (position p), chain m's d-th token at slot p + 1 + m D + d (position
-   p + 1 + d); each node reads the committed slots, its ancestors and itself.
+2. One forest pass over the target's cache (decoder.cached_pass with a tree mask, reading the
+   cache and storing nothing): the pending token as if at slot p (position p), chain m's d-th
+   token at slot p + 1 + m D + d (position p + 1 + d); each node reads the committed slots,
+   its ancestors and itself.
 3. The target draws its own token at every node, exactly as `generate` draws that step of that
    row (same key, same step index), and a chain is accepted while each of its tokens equals the
    token the target drew at its parent. The accepted tokens and the target's draw after them
    (the next pending token) are committed: 1 to D + 1 tokens per row per pass, each row its own.
-4. Accept & compact: the accepted nodes' K/V move down to slots p + 1, p + 2, ...; every other
-   node sits above the new committed length, where the next tree overwrites it, and no mask
-   ever reads it again.
+4. Accept & compact in one write (`kept_slots`): the pending token's K/V are stored at slot p
+   and the accepted nodes' at p + 1, p + 2, ...; the rejected nodes' are never stored. (A
+   draft model's cache, which held its whole tree, is compacted: `compact`.)
+The decision to draft at all is the batch's, each round: see ROW_COST.
 
 Lossless: every committed token is the target's own draw, so greedy output equals generate's,
 and sampled output equals generate's for the same key (up to float rounding in the tree pass's
@@ -43,15 +45,17 @@ from jaxkv.tracecount import count_trace
 NGRAM = 3  # lookup matches the last 1..NGRAM tokens; longer matches rank first, then recency
 # When drafting pays. A pass over R rows (tokens of all rows together) costs about
 # 1 + ROW_COST (R - 1) one-row steps: its products read every weight once, and each row adds
-# compute (SmolLM2 fp32, 2-core Xeon, scripts/bench_speculative.py --costs: 9 rows 1.66, 36
-# rows 4.1). A tree of N nodes per row therefore costs a batch of B rows
-# ROW_COST B (N - 1) / (1 + ROW_COST (B - 1)) steps more than a plain step; a round drafts when
-# the live rows' expected accepted tokens add up to that many per live row. Each row's
-# expectation is a running mean (halved towards each new value) of what its drafts got accepted,
-# and, in rounds it did not draft, of what they would have: the lookup tree made D tokens
-# earlier, checked against the D tokens committed since; for a draft model, D if one of its
-# first tokens is the target's own next token, else 0 (as if the rest would follow).
-ROW_COST = 0.1
+# compute (SmolLM2 fp32, 2-core Xeon, `scripts/bench_speculative.py --costs`: 9 rows 1.70
+# steps, a batch of 4 x 9 nodes 3.00 of its 4-row step; the model says 1.64 and 3.06). A tree
+# of N nodes per row therefore costs a batch of B rows ROW_COST B (N - 1) / (1 + ROW_COST
+# (B - 1)) steps more than a plain step; a round drafts when the live rows' expected accepted
+# tokens add up to that many per live row. Each row's expectation is a running mean (halved
+# towards each new value) of what its drafts got accepted, and, in rounds it did not draft, of
+# what they would have: the lookup tree made D tokens earlier, checked against the D tokens
+# committed since; for a draft model, D if one of its first tokens is the target's own next
+# token, else 0 (as if the rest would follow).
+ROW_COST = 0.08
+
 
 @struct.dataclass
 class Stats:

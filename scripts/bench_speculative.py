@@ -10,6 +10,10 @@ generate's. Each configuration is compiled before it is timed.
 
   python scripts/bench_speculative.py                       # the full table (~20 min)
   python scripts/bench_speculative.py --new-tokens 8 --prompts 1 --trees 2x1 --batches 1
+  python scripts/bench_speculative.py --costs               # only what a tree pass costs
+
+--costs times one tree pass over B rows x N nodes against the B-row one-node pass (a decode
+step), and the model speculative.ROW_COST makes of it: what the rule for drafting assumes.
 """
 
 import argparse
@@ -19,9 +23,11 @@ import platform
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
+from jaxkv import speculative
 
 from bench_checks import cpu_name  # scripts/
 
@@ -96,6 +102,27 @@ def run_case(params, draft, prompts, batch, new_tokens, trees, repeats, eos):
     return results
 
 
+def pass_costs(params, batches, repeats, nodes=(1, 2, 3, 5, 9, 17), capacity=400, pos=250):
+    """Rows: ms of one tree pass (nodes, logits) for B rows x N nodes at position `pos`, its
+    ratio to the B-row pass of one node, and ROW_COST's model of that ratio."""
+    rows = []
+    for B in batches:
+        cache = jaxkv.init_cache(params, B, capacity)
+        pos_B = jnp.full((B,), pos, jnp.int32)
+        base = None
+        for N in nodes:
+            tree = jax.jit(lambda c, t, N=N: speculative.tree_pass(
+                params, c, t, pos_B, np.arange(N), 1, N - 1)[0][:, :, :1])
+            seconds, _ = timed(lambda: tree(cache, jnp.zeros((B, N), jnp.int32)), repeats)
+            base = base or seconds
+            model = (1 + speculative.ROW_COST * (B * N - 1)) / (1 + speculative.ROW_COST * (B - 1))
+            rows.append(dict(batch=B, nodes=N, rows=B * N, ms=seconds * 1e3,
+                             vs_step=seconds / base, row_cost_model=model))
+            print(f"batch {B} x {N:2d} nodes: {seconds * 1e3:6.1f} ms, {seconds / base:.2f} steps "
+                  f"(ROW_COST model {model:.2f})", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4, help="prompts of each kind (at most 4)")
@@ -106,10 +133,17 @@ def main():
     ap.add_argument("--no-draft", action="store_true", help="skip the int8 draft model")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs (best kept) after one "
                     "warm-up run")
+    ap.add_argument("--costs", action="store_true", help="only time tree passes (see above)")
     ap.add_argument("--out", default="results/bench_speculative")
     args = ap.parse_args()
     path = jaxkv.default_model()
     params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)
+    if args.costs:
+        rows = pass_costs(params, args.batches, max(args.repeats, 5))
+        with open(args.out + ".json", "w") as f:
+            json.dump(dict(cpu=cpu_name(), jax=jax.__version__, row_cost=speculative.ROW_COST,
+                           pass_costs=rows), f, indent=1)
+        return
     template = jaxkv.chat_template(path)
     draft = None if args.no_draft else jaxkv.quantize(params)
     trees = [tuple(int(x) for x in t.split("x")) for t in args.trees]
