@@ -365,9 +365,9 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
     n_branches: chains per round (M). Each pass scores 1 + M D tokens and commits 1 to D + 1 of
     them per row; rows draft only while it pays (ROW_COST). Defaults chosen with
     scripts/bench_speculative.py (SmolLM2 fp32, 2-core Xeon): 8 x 1 was fastest at batch 1
-    (3.17x on prompts with text to copy) and within 6% of the best elsewhere; a second branch
-    cost more than it gained. Other options as generate's; tokens and lengths equal generate's
-    (greedy, and sampled with the same key).
+    (3.10x generate on prompts with text to copy, 4 x 1 2.58x) and within 4% of 4 x 1
+    elsewhere; a second branch cost more than it gained. Other options as generate's; tokens
+    and lengths equal generate's (greedy, and sampled with the same key).
     """
     c = params.config
     checks.linear_decoder(c, "speculative_generate")
