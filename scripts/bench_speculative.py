@@ -102,7 +102,7 @@ def run_case(params, draft, prompts, batch, new_tokens, trees, repeats, eos):
     return results
 
 
-def pass_costs(params, batches, repeats, nodes=(1, 2, 3, 5, 9, 17), capacity=400, pos=250):
+def pass_costs(params, batches, repeats, nodes, capacity=400, pos=250):
     """Rows: ms of one tree pass (nodes, logits) for B rows x N nodes at position `pos`, its
     ratio to the B-row pass of one node, and ROW_COST's model of that ratio."""
     rows = []
@@ -134,12 +134,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=2, help="timed runs (best kept) after one "
                     "warm-up run")
     ap.add_argument("--costs", action="store_true", help="only time tree passes (see above)")
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 3, 5, 9, 17],
+                    help="--costs: tree nodes per row")
     ap.add_argument("--out", default="results/bench_speculative")
     args = ap.parse_args()
     path = jaxkv.default_model()
     params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)
     if args.costs:
-        rows = pass_costs(params, args.batches, max(args.repeats, 5))
+        rows = pass_costs(params, args.batches, max(args.repeats, 5), args.nodes)
         with open(args.out + ".json", "w") as f:
             json.dump(dict(cpu=cpu_name(), jax=jax.__version__, row_cost=speculative.ROW_COST,
                            pass_costs=rows), f, indent=1)

@@ -157,3 +157,20 @@ def test_decode_step_over_attention_blocks_equals_forward(length):
     logits_BV, _ = jax.jit(jaxkv.decode_step)(params, cache, tokens_BT[:, length],
                                               jnp.array([length]))
     np.testing.assert_allclose(logits_BV, ref_BV, atol=TOL, rtol=0)
+
+
+def test_a_pass_that_does_not_write_returns_what_a_writing_pass_stores(llama):
+    from jaxkv.attention import causal_mask
+    from jaxkv.cache import store
+    from jaxkv.decoder import cached_pass
+
+    cache = jaxkv.init_cache(llama, 2, 16)
+    _, cache = jaxkv.prefill(llama, cache, [[1, 2, 3, 4], [5, 6, 7, 8]])
+    tokens_BT, pos_BT = jnp.array([[9, 10], [11, 12]]), jnp.array([[4, 5], [4, 5]])
+    mask_BTS = causal_mask(pos_BT, 16)
+    x_written, written = cached_pass(llama, cache, tokens_BT, pos_BT, pos_BT, mask_BTS)
+    x_read, kv = cached_pass(llama, cache, tokens_BT, pos_BT, pos_BT, mask_BTS, write=False)
+    np.testing.assert_allclose(x_read, x_written, atol=1e-6)
+    assert kv[0][0].shape == (2, llama.config.n_kv_heads, 2, llama.config.head_dim)
+    for got, want in zip(jax.tree.leaves(store(cache, kv, pos_BT)), jax.tree.leaves(written)):
+        np.testing.assert_allclose(got, want, atol=1e-6)

@@ -18,7 +18,10 @@ from jaxkv import blocks, decoder, encoder, multidecode
 from jaxkv.cache import Int8KV, dequantize_kv, quantize_kv
 from tests.conftest import CONFIGS, ENCDEC_CONFIGS, encoder_inputs, random_tokens
 
-EXACT = 1e-5  # int8 cache vs the fake-quantized forward (measured <= 3.1e-7: float order)
+# int8 cache vs the fake-quantized forward: float order (measured <= 3.1e-7), except where
+# float order puts a key on the other side of an int8 rounding boundary: one step of its
+# scale (3.3e-5 seen for GPT-2 once the forward's products moved to the CPU kernels).
+EXACT = 1e-4
 CLOSE = 1e-2  # int8 vs float32 cache, logits of size ~1 (measured <= 1.8e-3, tiny models)
 
 

@@ -42,3 +42,15 @@ def test_script_runs(script, tmp_path):
         return
     assert result["rows"]
     assert os.path.getsize(out + ".png") > 0
+
+
+def test_speculative_pass_costs_run(tmp_path):
+    out = str(tmp_path / "costs")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_speculative.py"),
+                          "--costs", "--batches", "2", "--nodes", "1", "3", "--out", out],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(out + ".json") as f:
+        rows = json.load(f)["pass_costs"]
+    assert [(r["batch"], r["nodes"], r["rows"]) for r in rows] == [(2, 1, 2), (2, 3, 6)]
+    assert rows[0]["vs_step"] == 1.0 and rows[1]["row_cost_model"] > 1

@@ -99,6 +99,16 @@ def test_the_lookup_finds_the_longest_latest_matches():
     assert usable[0, :2].all() and not usable[0, 2].any()
 
 
+
+def test_hindsight_checks_the_lookup_tree_made_d_tokens_ago():
+    hist = np.array([[5, 1, 2, 7, 8, 9, 1, 2, 7, 8, 4, 0, 0],
+                     [3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+    # Row 0, 3 tokens ago (history 5 1 2 7 8 9 1 2): "1 2" had been followed by 7 8 9; then
+    # came 7 8 4: two accepted. Row 1's history is shorter than 3 + 1 tokens.
+    seen = speculative.lookup_hindsight(jnp.asarray(hist), jnp.array([11, 2]), 1, 3)
+    np.testing.assert_array_equal(seen, [2, 0])
+
+
 # ---- the sampled distribution -------------------------------------------------------------
 
 SMALL = dict(vocab_size=6, d_model=32, n_layers=2, max_seq_len=64)
