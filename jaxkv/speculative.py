@@ -57,6 +57,11 @@ NGRAM = 3  # lookup matches the last 1..NGRAM tokens; longer matches rank first,
 ROW_COST = 0.08
 
 
+def tree_cost(B: int, N: int) -> float:
+    """What a pass over B rows x N tree nodes costs, in passes over B rows x 1 node (steps)."""
+    return (1 + ROW_COST * (B * N - 1)) / (1 + ROW_COST * (B - 1))
+
+
 @struct.dataclass
 class Stats:
     """Per row: passes of the target, and drafted tokens it accepted (one more per pass is
@@ -217,15 +222,13 @@ def kept_slots(pos_B, m_B, a_B, M: int, D: int, capacity: int):
     return jnp.where(keep_BN, pos_B[:, None] + depth_N, capacity)
 
 
-def compact(cache, pos_B, m_B, a_B, D: int):
-    """Moves the accepted nodes' K/V (chain m, depths < a) of trees rooted at pos_B down to the
-    slots right after the root."""
-    B = pos_B.shape[0]
-    d_D = jnp.arange(D)
-    src_BD = pos_B[:, None] + 1 + m_B[:, None] * D + d_D
-    dst_BD = jnp.where(d_D < a_B[:, None], pos_B[:, None] + 1 + d_D, cache.capacity)
-    rows_B1 = jnp.arange(B)[:, None]
-    move = lambda x: x.at[rows_B1, :, dst_BD].set(x[rows_B1, :, src_BD], mode="drop")  # noqa
+def compact(cache, pos_B, m_B, a_B, M: int, D: int):
+    """A cache that holds whole trees rooted at pos_B (a draft model's) with the kept nodes'
+    K/V moved to their kept_slots; the other nodes stay above, never read again."""
+    src_BN = pos_B[:, None] + np.arange(1 + M * D)
+    dst_BN = kept_slots(pos_B, m_B, a_B, M, D, cache.capacity)
+    rows_B1 = jnp.arange(pos_B.shape[0])[:, None]
+    move = lambda x: x.at[rows_B1, :, dst_BN].set(x[rows_B1, :, src_BN], mode="drop")  # noqa
     return cache.replace(k=jax.tree.map(move, cache.k), v=jax.tree.map(move, cache.v))
 
 
@@ -286,7 +289,7 @@ def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, e
     B, T = tokens_BT.shape
     depth_N, _, _ = tree_shape(M, D)
     N = 1 + M * D
-    extra_steps = ROW_COST * B * (N - 1) / (1 + ROW_COST * (B - 1))  # a tree's, per live row
+    extra_steps = tree_cost(B, N) - 1  # what drafting must repay, per live row
     start_B = jnp.zeros((B,), jnp.int32)
     logits_BV, cache = prefill_padded(params, init_cache(params, B, capacity, kv_dtype),
                                       tokens_BT, lengths_B, start_B)
@@ -337,7 +340,7 @@ def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, e
         m_B, a_B, committed_BJ, kv = jax.lax.cond(jnp.any(drafting_B), full, root_only)
         cache = store(s.cache, kv, kept_slots(s.pos, m_B, a_B, M, D, capacity))
         if dcache is not None:
-            dcache = compact(dcache, s.pos, m_B, a_B, D)
+            dcache = compact(dcache, s.pos, m_B, a_B, M, D)
         if dparams is None:
             missed_B = lookup_hindsight(s.hist, s.pos + 1, M, D)
         else:

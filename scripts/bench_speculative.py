@@ -115,7 +115,7 @@ def pass_costs(params, batches, repeats, nodes, capacity=400, pos=250):
                 params, c, t, pos_B, np.arange(N), 1, N - 1)[0][:, :, :1])
             seconds, _ = timed(lambda: tree(cache, jnp.zeros((B, N), jnp.int32)), repeats)
             base = base or seconds
-            model = (1 + speculative.ROW_COST * (B * N - 1)) / (1 + speculative.ROW_COST * (B - 1))
+            model = speculative.tree_cost(B, N)
             rows.append(dict(batch=B, nodes=N, rows=B * N, ms=seconds * 1e3,
                              vs_step=seconds / base, row_cost_model=model))
             print(f"batch {B} x {N:2d} nodes: {seconds * 1e3:6.1f} ms, {seconds / base:.2f} steps "

@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv.attention import causal_mask
+from jaxkv.cache import store
+from jaxkv.decoder import cached_pass
 from tests.conftest import random_tokens
 
 TOL = 1e-4
@@ -160,10 +163,6 @@ def test_decode_step_over_attention_blocks_equals_forward(length):
 
 
 def test_a_pass_that_does_not_write_returns_what_a_writing_pass_stores(llama):
-    from jaxkv.attention import causal_mask
-    from jaxkv.cache import store
-    from jaxkv.decoder import cached_pass
-
     cache = jaxkv.init_cache(llama, 2, 16)
     _, cache = jaxkv.prefill(llama, cache, [[1, 2, 3, 4], [5, 6, 7, 8]])
     tokens_BT, pos_BT = jnp.array([[9, 10], [11, 12]]), jnp.array([[4, 5], [4, 5]])
