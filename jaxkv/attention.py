@@ -114,7 +114,7 @@ def _weighted(w_BKGTS, v_BKSH):
         return jnp.einsum("BKGS,BKSH->BKGH", w_BKGTS[:, :, :, 0], v_BKSH)[:, None]
     if v_BKSH.shape[2] == 1:
         return jnp.moveaxis(w_BKGTS[..., 0], 3, 1)[..., None] * v_BKSH[:, :, 0][:, None, :, None]
-    return jnp.einsum("BKGTS,BKSH->BTKGH", w_BKGTS, v_BKSH)
+    return jnp.moveaxis(jnp.einsum("BKGTS,BKSH->BKGTH", w_BKGTS, v_BKSH), 3, 1)
 
 
 def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own=None, softcap=None):

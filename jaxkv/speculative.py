@@ -248,6 +248,9 @@ class _Rows:
     passes: jax.Array  # [B]
     accepted: jax.Array  # [B]
     gain: jax.Array  # [B] float32: running mean of drafted tokens accepted per drafting pass
+    row: jax.Array  # [B] the row's index in the caller's batch
+    sampling: object  # SamplingParams, [B] each
+    keys: jax.Array  # [B] the row's key
 
 
 def _commit(s: _Rows, committed_BJ, a_B, eos_E, max_new_tokens: int) -> _Rows:
@@ -281,15 +284,11 @@ def _draw(logits_BNV, sampling, keys_B, step_BN):
                   step_BN.reshape(-1), jnp.zeros((B * N, V), bool)).reshape(B, N)
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "M", "D",
-                                             "kv_dtype"))
-def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id, *,
-                      max_new_tokens: int, capacity: int, M: int, D: int, kv_dtype=None):
-    count_trace("speculative")
+def _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id, *,
+           max_new_tokens: int, capacity: int, D: int, kv_dtype) -> _Rows:
+    """The rows after prefill (of the target, and of the draft model if any), with the target's
+    first token drawn and pending."""
     B, T = tokens_BT.shape
-    depth_N, _, _ = tree_shape(M, D)
-    N = 1 + M * D
-    extra_steps = tree_cost(B, N) - 1  # what drafting must repay, per live row
     start_B = jnp.zeros((B,), jnp.int32)
     logits_BV, cache = prefill_padded(params, init_cache(params, B, capacity, kv_dtype),
                                       tokens_BT, lengths_B, start_B)
@@ -303,58 +302,102 @@ def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, e
     s = _Rows(cache, dcache, hist, lengths_B - 1, jnp.zeros((B,), bool), zeros,
               jnp.full((B, max_new_tokens + D + 1), pad_id, jnp.int32), jnp.zeros((B,), bool),
               jnp.full((B,), max_new_tokens, jnp.int32), zeros, zeros,
-              jnp.ones((B,), jnp.float32))
-    s = _commit(s, jnp.pad(first_B[:, None], ((0, 0), (0, D)), constant_values=-1), zeros,
-                eos_E, max_new_tokens).replace(passes=zeros)
+              jnp.ones((B,), jnp.float32), jnp.arange(B), sampling, keys_B)
+    return _commit(s, jnp.pad(first_B[:, None], ((0, 0), (0, D)), constant_values=-1), zeros,
+                   eos_E, max_new_tokens).replace(passes=zeros)
 
-    def round_(s: _Rows) -> _Rows:
-        pending_B = jnp.take_along_axis(s.hist, s.pos[:, None], axis=1)[:, 0]
-        dcache = s.dcache
-        if dparams is None:
-            chain_BMD, usable_BMD = lookup_chains(s.hist, s.pos + 1, M, D)
-        else:
-            prev_B = jnp.take_along_axis(s.hist, jnp.maximum(s.pos - 1, 0)[:, None], axis=1)[:, 0]
-            chain_BMD, dcache = draft_chains(dparams, dcache, prev_B, s.need_prev, pending_B,
-                                             s.pos, M, D)
-            usable_BMD = jnp.ones((B, M, D), bool)
-        offered_B = usable_BMD.any((1, 2)) & ~s.done
-        worth = jnp.sum(jnp.where(offered_B, s.gain, 0.0))
-        drafting_B = offered_B & (worth >= extra_steps * jnp.sum(~s.done))
-        usable_BMD &= drafting_B[:, None, None]
-        step_BN = s.t[:, None] + depth_N[None, :]
-        tree_BN = jnp.concatenate([pending_B[:, None], chain_BMD.reshape(B, -1)], axis=1)
 
-        def full():
-            logits_BNV, kv = tree_pass(params, s.cache, tree_BN, s.pos, np.arange(N), M, D)
-            m_B, a_B, committed_BJ = walk(_draw(logits_BNV, sampling, keys_B, step_BN),
-                                          chain_BMD, usable_BMD)
-            return m_B, jnp.where(s.done, 0, a_B), committed_BJ, kv
+def _round(params, dparams, eos_E, s: _Rows, *, max_new_tokens: int, capacity: int, M: int,
+           D: int) -> _Rows:
+    """One round: draft, decide, verify in one tree pass (or a plain step), commit."""
+    B = s.pos.shape[0]
+    depth_N, _, _ = tree_shape(M, D)
+    N = 1 + M * D
+    pending_B = jnp.take_along_axis(s.hist, s.pos[:, None], axis=1)[:, 0]
+    dcache = s.dcache
+    if dparams is None:
+        chain_BMD, usable_BMD = lookup_chains(s.hist, s.pos + 1, M, D)
+    else:
+        prev_B = jnp.take_along_axis(s.hist, jnp.maximum(s.pos - 1, 0)[:, None], axis=1)[:, 0]
+        chain_BMD, dcache = draft_chains(dparams, dcache, prev_B, s.need_prev, pending_B, s.pos,
+                                         M, D)
+        usable_BMD = jnp.ones((B, M, D), bool)
+    offered_B = usable_BMD.any((1, 2)) & ~s.done
+    worth = jnp.sum(jnp.where(offered_B, s.gain, 0.0))
+    drafting_B = offered_B & (worth >= (tree_cost(B, N) - 1) * jnp.sum(~s.done))
+    usable_BMD &= drafting_B[:, None, None]
+    step_BN = s.t[:, None] + depth_N[None, :]
+    tree_BN = jnp.concatenate([pending_B[:, None], chain_BMD.reshape(B, -1)], axis=1)
 
-        def root_only():  # no row drafts: an ordinary decode step
-            logits_B1V, kv = tree_pass(params, s.cache, pending_B[:, None], s.pos, [0], M, D)
-            draw_B1 = _draw(logits_B1V, sampling, keys_B, step_BN[:, :1])
-            zeros_B = jnp.zeros((B,), jnp.int32)
-            kv = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, N - 1), (0, 0))), kv)
-            return zeros_B, zeros_B, jnp.pad(draw_B1, ((0, 0), (0, D)), constant_values=-1), kv
+    def full():
+        logits_BNV, kv = tree_pass(params, s.cache, tree_BN, s.pos, np.arange(N), M, D)
+        m_B, a_B, committed_BJ = walk(_draw(logits_BNV, s.sampling, s.keys, step_BN),
+                                      chain_BMD, usable_BMD)
+        return m_B, jnp.where(s.done, 0, a_B), committed_BJ, kv
 
-        m_B, a_B, committed_BJ, kv = jax.lax.cond(jnp.any(drafting_B), full, root_only)
-        cache = store(s.cache, kv, kept_slots(s.pos, m_B, a_B, M, D, capacity))
-        if dcache is not None:
-            dcache = compact(dcache, s.pos, m_B, a_B, M, D)
-        if dparams is None:
-            missed_B = lookup_hindsight(s.hist, s.pos + 1, M, D)
-        else:
-            missed_B = D * (chain_BMD[:, :, 0] == committed_BJ[:, :1]).any(1)
-        seen_B = jnp.where(drafting_B, a_B, missed_B)
-        gain_B = jnp.where(s.done, s.gain, (s.gain + seen_B) / 2)
-        s = s.replace(cache=cache, dcache=dcache, gain=gain_B,
-                      need_prev=jnp.where(s.done, s.need_prev, a_B == D))
-        return _commit(s, committed_BJ, a_B, eos_E, max_new_tokens)
+    def root_only():  # no row drafts: an ordinary decode step
+        logits_B1V, kv = tree_pass(params, s.cache, pending_B[:, None], s.pos, [0], M, D)
+        draw_B1 = _draw(logits_B1V, s.sampling, s.keys, step_BN[:, :1])
+        zeros_B = jnp.zeros((B,), jnp.int32)
+        kv = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, N - 1), (0, 0))), kv)
+        return zeros_B, zeros_B, jnp.pad(draw_B1, ((0, 0), (0, D)), constant_values=-1), kv
 
-    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), round_, s)
+    m_B, a_B, committed_BJ, kv = jax.lax.cond(jnp.any(drafting_B), full, root_only)
+    cache = store(s.cache, kv, kept_slots(s.pos, m_B, a_B, M, D, capacity))
+    if dcache is not None:
+        dcache = compact(dcache, s.pos, m_B, a_B, M, D)
+    if dparams is None:
+        missed_B = lookup_hindsight(s.hist, s.pos + 1, M, D)
+    else:
+        missed_B = D * (chain_BMD[:, :, 0] == committed_BJ[:, :1]).any(1)
+    seen_B = jnp.where(drafting_B, a_B, missed_B)
+    gain_B = jnp.where(s.done, s.gain, (s.gain + seen_B) / 2)
+    s = s.replace(cache=cache, dcache=dcache, gain=gain_B,
+                  need_prev=jnp.where(s.done, s.need_prev, a_B == D))
+    return _commit(s, committed_BJ, a_B, eos_E, max_new_tokens)
+
+
+PHASES = 3  # batch sizes the loop may run at: B, B / 2, B / 4 (each compiles its own round)
+
+
+def batch_sizes(B: int) -> tuple:
+    """The batch sizes the loop runs at in turn: B, then half of it (rounded up), ... at most
+    PHASES of them, down to 1. A row that is done costs a tree pass as much as a live one (its
+    nodes are computed all the same), so once no more than the next size are live, they move to
+    a smaller batch (a copy of their caches)."""
+    sizes = [B]
+    while sizes[-1] > 1 and len(sizes) < PHASES:
+        sizes.append((sizes[-1] + 1) // 2)
+    return tuple(sizes)
+
+
+def _live_first(s: _Rows, size: int) -> _Rows:
+    """The first `size` rows of s with the live ones first: every field, caches included."""
+    take_R = jnp.argsort(s.done, stable=True)[:size]
+    return jax.tree.map(lambda x: x[take_R], s)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "M", "D",
+                                             "kv_dtype"))
+def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id, *,
+                      max_new_tokens: int, capacity: int, M: int, D: int, kv_dtype=None):
+    count_trace("speculative")
+    s = _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id,
+               max_new_tokens=max_new_tokens, capacity=capacity, D=D, kv_dtype=kv_dtype)
+    round_ = functools.partial(_round, params, dparams, eos_E, max_new_tokens=max_new_tokens,
+                               capacity=capacity, M=M, D=D)
+    sizes = batch_sizes(tokens_BT.shape[0])
+    out, length, passes, accepted = s.out, s.length, s.passes, s.accepted
+    for size, smaller in zip(sizes, sizes[1:] + (0,)):
+        if size < sizes[0]:
+            s = _live_first(s, size)
+        s = jax.lax.while_loop(lambda s, smaller=smaller: jnp.sum(~s.done) > smaller, round_, s)
+        out, length, passes, accepted = (
+            x.at[s.row].set(y) for x, y in zip((out, length, passes, accepted),
+                                               (s.out, s.length, s.passes, s.accepted)))
     j_J = jnp.arange(max_new_tokens)
-    tokens_BJ = jnp.where(j_J < s.length[:, None], s.out[:, :max_new_tokens], pad_id)
-    return tokens_BJ, s.length, Stats(s.passes, s.accepted)
+    tokens_BJ = jnp.where(j_J < length[:, None], out[:, :max_new_tokens], pad_id)
+    return tokens_BJ, length, Stats(passes, accepted)
 
 
 def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup", n_draft=8,
