@@ -45,8 +45,10 @@ from jaxkv.tracecount import count_trace
 NGRAM = 3  # lookup matches the last 1..NGRAM tokens; longer matches rank first, then recency
 # When drafting pays. A pass over R rows (tokens of all rows together) costs about
 # 1 + ROW_COST (R - 1) one-row steps: its products read every weight once, and each row adds
-# compute (SmolLM2 fp32, 2-core Xeon, `scripts/bench_speculative.py --costs`: 9 rows 1.70
-# steps, a batch of 4 x 9 nodes 3.00 of its 4-row step; the model says 1.64 and 3.06). A tree
+# compute (SmolLM2 fp32, 2-core Xeon, `scripts/bench_speculative.py --costs`: 9 rows 1.63
+# steps, a batch of 4 x 9 nodes 2.56 of its 4-row step; the model says 1.64 and 3.06: it
+# overstates batch-4 trees, but 0.06, which fits them, drafted on free-form text and lost
+# there, 0.947x generate at batch 4 against 0.966x with 0.08). A tree
 # of N nodes per row therefore costs a batch of B rows ROW_COST B (N - 1) / (1 + ROW_COST
 # (B - 1)) steps more than a plain step; a round drafts when the live rows' expected accepted
 # tokens add up to that many per live row. Each row's expectation is a running mean (halved
