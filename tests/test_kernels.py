@@ -17,8 +17,9 @@ def reference(x_RI, w_OI):
     return np.asarray(x_RI, np.float64) @ np.asarray(w_OI, np.float64).T
 
 
-@pytest.mark.parametrize("R,I,O", [(1, 64, 96), (3, 576, 200), (16, 96, 4096), (5, 37, 13)],
-                         ids=["one_row", "several_rows", "sixteen_rows", "tails"])
+@pytest.mark.parametrize("R,I,O", [(1, 64, 96), (3, 576, 200), (16, 96, 4096), (5, 37, 13),
+                                   (2, 77, 13)],
+                         ids=["one_row", "several_rows", "sixteen_rows", "tails", "tails_two_rows"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_float_product_equals_float64(R, I, O, dtype):
     """Rows not a multiple of the 4-row tile, inputs not a multiple of 16 lanes, many chunks."""
