@@ -87,17 +87,23 @@ struct F32Rows {
   float RowScale(int64_t) const { return 1.0f; }
 };
 
+// bfloat16 rows, read either of two ways (BF16Rows, BF16Widen).
+struct BF16Base {
+  const uint16_t* w;
+  int64_t I;
+  const uint16_t* Row(int64_t o) const { return w + o * I; }
+  float At(int64_t o, int64_t i) const { return bf16_to_f32(w[o * I + i]); }
+  float RowScale(int64_t) const { return 1.0f; }
+};
+
 // bfloat16 is the top half of a float32. Read as kLanes 32-bit words, 2 kLanes weights hold the
 // even-numbered ones in their low halves (word << 16 is their float32) and the odd-numbered in
 // their high halves (word & 0xffff0000): one integer op per kLanes weights and no widening
 // shuffle, with x de-interleaved to match (Interleave). SmolLM2's step products, 2-core Xeon,
 // against widening 16 weights at a time (A/B, same session): 1 row 15.0 -> 12.0 ms, 16 rows
 // 28 -> 25 ms, but 4 rows 13.6 -> 14.2-15.3 ms: 3-6 rows keep the widening form (BF16Widen).
-struct BF16Rows {
+struct BF16Rows : BF16Base {
   static constexpr int kParts = 2;
-  const uint16_t* w;
-  int64_t I;
-  const uint16_t* Row(int64_t o) const { return w + o * I; }
   f32xL Lanes(int64_t o, int64_t i, int part) const {
     u32xL words;
     std::memcpy(&words, w + o * I + i, sizeof words);
@@ -106,19 +112,11 @@ struct BF16Rows {
     std::memcpy(&v, &words, sizeof v);
     return v;
   }
-  float At(int64_t o, int64_t i) const { return bf16_to_f32(w[o * I + i]); }
-  float RowScale(int64_t) const { return 1.0f; }
 };
 
-// int8 with one float scale per block of 2^log2K inputs. A whole-row block (kBlocks false) is
-// applied to the row's sums; smaller blocks scale each group of lanes (K >= kLanes there).
-// bfloat16 widened 16 weights at a time: at 3-6 rows of x faster than BF16Rows (A/B, SmolLM2's
-// step products at 4 rows: 13.6 vs 14.2-15.3 ms), slower at 1-2 and from 8 up.
-struct BF16Widen {
+// bfloat16 widened kLanes weights at a time (the faster form at 3-6 rows of x).
+struct BF16Widen : BF16Base {
   static constexpr int kParts = 1;
-  const uint16_t* w;
-  int64_t I;
-  const uint16_t* Row(int64_t o) const { return w + o * I; }
   f32xL Lanes(int64_t o, int64_t i, int) const {
     u16xL h;
     std::memcpy(&h, w + o * I + i, sizeof h);
@@ -127,10 +125,10 @@ struct BF16Widen {
     std::memcpy(&v, &bits, sizeof v);
     return v;
   }
-  float At(int64_t o, int64_t i) const { return bf16_to_f32(w[o * I + i]); }
-  float RowScale(int64_t) const { return 1.0f; }
 };
 
+// int8 with one float scale per block of 2^log2K inputs. A whole-row block (kBlocks false) is
+// applied to the row's sums; smaller blocks scale each group of lanes (K >= kLanes there).
 template <typename Scale, bool kBlocks>
 struct Int8Rows {
   static constexpr int kParts = 1;
@@ -324,11 +322,11 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       return ffi::Error::Success();
     case ffi::BF16: {
       if (R >= 3 && R <= 6) {
-        Dense(pool, BF16Widen{static_cast<const uint16_t*>(w.untyped_data()), I}, xp, yp, R, I, O);
+        Dense(pool, BF16Widen{{static_cast<const uint16_t*>(w.untyped_data()), I}}, xp, yp, R, I, O);
         return ffi::Error::Success();
       }
       Floats x_parts = Interleave(xp, R, I);
-      Dense(pool, BF16Rows{static_cast<const uint16_t*>(w.untyped_data()), I}, x_parts.get(),
+      Dense(pool, BF16Rows{{static_cast<const uint16_t*>(w.untyped_data()), I}}, x_parts.get(),
             yp, R, I, O);
       return ffi::Error::Success();
     }
