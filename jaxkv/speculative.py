@@ -55,8 +55,8 @@ NGRAM = 3  # lookup matches the last 1..NGRAM tokens; longer matches rank first,
 # towards each new value) of what its drafts got accepted, and, in rounds it did not draft, of
 # what they would have: the better of the lookup trees made D and D / 2 tokens earlier, each
 # checked against the tokens committed since (D / 2: a row whose text turns copyable drafts
-# again sooner; grounded batch 4 took 33 rounds instead of 38); for a draft model, D if one of its first tokens is the target's own next
-# token, else 0 (as if the rest would follow).
+# again sooner; grounded batch 4 took 33 rounds instead of 38); for a draft model, D if one of
+# its first tokens is the target's own next token, else 0 (as if the rest would follow).
 ROW_COST = 0.08
 
 

@@ -9,10 +9,10 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
-#include <cstdlib>
 #include <type_traits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -196,12 +196,18 @@ void Tile(const Rows& w, const float* x, float* y, int64_t I, int64_t I_vec, int
   }
 }
 
-// Where input i sits in a row of x as the kernel is given it (see Interleave).
-template <typename Rows>
-int64_t XAt(const Rows&, int64_t i, int64_t I_vec) {
-  if (Rows::kParts == 1 || i >= I_vec) return i;
+// Where input i sits in a row of x as BF16Rows reads it: each block of 2 kLanes inputs holds
+// its even-numbered inputs, then its odd-numbered ones; inputs from I_vec on stay where they are.
+inline int64_t InterleavedAt(int64_t i, int64_t I_vec) {
+  if (i >= I_vec) return i;
   int64_t j = i % (2 * kLanes);
   return i - j + (j & 1) * kLanes + j / 2;
+}
+
+// Where input i sits in a row of x as the kernel is given it.
+template <typename Rows>
+int64_t XAt(const Rows&, int64_t i, int64_t I_vec) {
+  return Rows::kParts == 1 ? i : InterleavedAt(i, I_vec);
 }
 
 // Output rows [o_begin, o_end) for all R rows of x.
@@ -278,24 +284,18 @@ void Dense(ffi::ThreadPool pool, const Rows& w, const float* x, float* y, int64_
   while (claims->done.load(std::memory_order_acquire) < n) Pause();
 }
 
-// x [R, I] in BF16Rows' order: each block of 2 kLanes inputs as its even-numbered inputs,
-// then its odd-numbered ones (a last partial block as it is).
 struct Free {
   void operator()(float* p) const { std::free(p); }
 };
 using Floats = std::unique_ptr<float[], Free>;
 
+// x [R, I] in BF16Rows' order (InterleavedAt), 64-byte aligned as XLA's buffers are: a vector
+// load never splits a cache line.
 Floats Interleave(const float* x, int64_t R, int64_t I) {
-  // 64-byte aligned, as XLA's buffers are: a vector load never splits a cache line.
   Floats out(static_cast<float*>(std::aligned_alloc(64, (R * I * sizeof(float) + 63) / 64 * 64)));
-  std::memcpy(out.get(), x, R * I * sizeof(float));
   int64_t I_vec = I - I % (2 * kLanes);
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t i = 0; i < I_vec; i += 2 * kLanes)
-      for (int64_t j = 0; j < kLanes; ++j) {
-        out[r * I + i + j] = x[r * I + i + 2 * j];
-        out[r * I + i + kLanes + j] = x[r * I + i + 2 * j + 1];
-      }
+    for (int64_t i = 0; i < I; ++i) out[r * I + InterleavedAt(i, I_vec)] = x[r * I + i];
   return out;
 }
 
@@ -321,13 +321,13 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       Dense(pool, F32Rows{static_cast<const float*>(w.untyped_data()), I}, xp, yp, R, I, O);
       return ffi::Error::Success();
     case ffi::BF16: {
+      BF16Base rows{static_cast<const uint16_t*>(w.untyped_data()), I};
       if (R >= 3 && R <= 6) {
-        Dense(pool, BF16Widen{{static_cast<const uint16_t*>(w.untyped_data()), I}}, xp, yp, R, I, O);
-        return ffi::Error::Success();
+        Dense(pool, BF16Widen{rows}, xp, yp, R, I, O);
+      } else {
+        Floats x_parts = Interleave(xp, R, I);
+        Dense(pool, BF16Rows{rows}, x_parts.get(), yp, R, I, O);
       }
-      Floats x_parts = Interleave(xp, R, I);
-      Dense(pool, BF16Rows{{static_cast<const uint16_t*>(w.untyped_data()), I}}, x_parts.get(),
-            yp, R, I, O);
       return ffi::Error::Success();
     }
     default:
