@@ -18,8 +18,9 @@ def reference(x_RI, w_OI):
 
 
 @pytest.mark.parametrize("R,I,O", [(1, 64, 96), (3, 576, 200), (16, 96, 4096), (5, 37, 13),
-                                   (2, 77, 13)],
-                         ids=["one_row", "several_rows", "sixteen_rows", "tails", "tails_two_rows"])
+                                   (2, 77, 13), (37, 77, 29)],
+                         ids=["one_row", "several_rows", "sixteen_rows", "tails", "tails_two_rows",
+                              "outer_form_tails"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_float_product_equals_float64(R, I, O, dtype):
     """Rows not a multiple of the 4-row tile, inputs not a multiple of 16 lanes, many chunks."""
@@ -32,7 +33,7 @@ def test_float_product_equals_float64(R, I, O, dtype):
 
 @pytest.mark.parametrize("block", [None, 16, 32])
 @pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
-@pytest.mark.parametrize("R", [1, 6])
+@pytest.mark.parametrize("R", [1, 6, 20])  # 20: the outer-product form
 def test_int8_product_equals_float64_of_the_dequantized_weights(block, scale_dtype, R):
     x_RI = jax.random.normal(jax.random.key(0), (R, 128))
     w = quantize_matrix(jax.random.normal(jax.random.key(1), (300, 128)), block)

@@ -30,9 +30,15 @@ from jaxkv import quant
 
 # Up to this many rows of x go to the kernel, by weight format; more (a prefill) to XLA's GEMM.
 # scripts/bench_kernels.py, SmolLM2's step products, 2-core Xeon: float32 1.18x XLA at 1 row,
-# 1.85x at 4, 1.30x at 16, 1.08x at 36, even at 48, 0.95x at 64; bfloat16 and int8 (XLA
-# converts them first) 11-24x at 1 row, still 2.0x and 2.5x at 64.
-ROWS = {"float32": 48, "bfloat16": 64, "int8": 64}
+# 1.85x at 4, 1.30x at 16, 1.13x at 36, 1.11x at 64 (the outer-product form from OUTER_ROWS
+# on; the dot form alone fell to 0.95x at 64); bfloat16 and int8 (XLA converts them first)
+# 11-24x at 1 row, still 2.0x and 2.5x at 64.
+ROWS = {"float32": 64, "bfloat16": 64, "int8": 64}
+# From this many rows of x on, float32 weights go to the kernel's outer-product form (x
+# transposed, padded to whole vectors of LANES rows) instead of its dot form (dense.cc, TileT:
+# 36 rows 55.3 -> 48.8 ms, 16 rows even).
+OUTER_ROWS = 24
+LANES = 16
 SOURCE = Path(__file__).with_name("dense.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
@@ -53,7 +59,8 @@ def registered() -> bool:
     except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
         warnings.warn(f"jaxkv: CPU product kernels unavailable, using XLA's ({e})", stacklevel=2)
         return False
-    for name, symbol in (("jaxkv_dense", "JaxkvDense"), ("jaxkv_dense_int8", "JaxkvDenseInt8")):
+    for name, symbol in (("jaxkv_dense", "JaxkvDense"), ("jaxkv_dense_t", "JaxkvDenseT"),
+                         ("jaxkv_dense_int8", "JaxkvDenseInt8")):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
                                     platform="cpu")
     return True
@@ -124,8 +131,14 @@ def _ffi(target):
         if not registered():
             raise RuntimeError("jaxkv: the CPU product kernels could not be built (see the "
                                "warning)")
-        y = jax.ShapeDtypeStruct((x_RI.shape[0], w[0].shape[0]), jnp.float32)
-        return jax.ffi.ffi_call(target, y, vmap_method="sequential")(x_RI.astype(jnp.float32), *w)
+        R = x_RI.shape[0]
+        y = jax.ShapeDtypeStruct((R, w[0].shape[0]), jnp.float32)
+        x_RI = x_RI.astype(jnp.float32)
+        if target == "jaxkv_dense" and w[0].dtype == jnp.float32 and R >= OUTER_ROWS:
+            # The outer-product form takes x transposed, its rows padded to whole vectors.
+            xT_IR = jnp.pad(x_RI, ((0, -R % LANES), (0, 0))).T
+            return jax.ffi.ffi_call("jaxkv_dense_t", y, vmap_method="sequential")(xT_IR, *w)
+        return jax.ffi.ffi_call(target, y, vmap_method="sequential")(x_RI, *w)
     return call
 
 
