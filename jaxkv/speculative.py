@@ -42,14 +42,23 @@ from jaxkv.params import Params
 from jaxkv.sampling import argmax, row_keys, sample, sampling_params
 from jaxkv.tracecount import count_trace
 
-NGRAM = 3  # lookup matches the last 1..NGRAM tokens; longer matches rank first, then recency
+NGRAM = 3  # lookup matches the last MIN_MATCH..NGRAM tokens; longer ones rank first, then recency
+# A match of one token is weak evidence: SmolLM2's answers to the free-form prompts of
+# scripts/bench_speculative.py, drafting every round, 8 tokens per chain, got 0.23 tokens
+# accepted per chain from 168 one-token matches, 0.88 from two-token ones and 2.8 from three
+# (the grounded prompts 6.7 from three); a row drafted on such matches counted as offering a
+# chain and cost its batch a tree pass. Measured with a replay of the lookup and drafting rule
+# over generate's answers (the passes it predicts equal speculative_generate's).
+MIN_MATCH = 2
 # When drafting pays. A pass over R rows (tokens of all rows together) costs about
 # 1 + ROW_COST (R - 1) one-row steps: its products read every weight once, and each row adds
 # compute (SmolLM2 fp32, 2-core Xeon, `scripts/bench_speculative.py --costs`: 9 rows 1.63
-# steps, a batch of 4 x 9 nodes 2.56 of its 4-row step; the model says 1.64 and 3.06: it
-# overstates batch-4 trees, but 0.06, which fits them, drafted on free-form text and lost
-# there, 0.947x generate at batch 4 against 0.966x with 0.08). A tree
-# of N nodes per row therefore costs a batch of B rows ROW_COST B (N - 1) / (1 + ROW_COST
+# steps, a batch of 4 x 9 nodes 2.56 of its 4-row step; 0.08 fits the first, 0.06 the second).
+# With one-token matches no longer offered (MIN_MATCH), 0.06 drafted no more on free-form
+# text than 0.08 and more on grounded: A/B in one run, grounded batch 4 1.80x -> 1.84x
+# generate, batch 1 3.28x -> 3.39x, free-form batch 1 1.04x -> 1.05x, batch 4 0.950x ->
+# 0.945x (one pass less; the rounds' own work, not drafting, is what batch 4 loses there). A
+# tree of N nodes per row therefore costs a batch of B rows ROW_COST B (N - 1) / (1 + ROW_COST
 # (B - 1)) steps more than a plain step; a round drafts when the live rows' expected accepted
 # tokens add up to that many per live row. Each row's expectation is a running mean (halved
 # towards each new value) of what its drafts got accepted, and, in rounds it did not draft, of
@@ -57,7 +66,7 @@ NGRAM = 3  # lookup matches the last 1..NGRAM tokens; longer matches rank first,
 # checked against the tokens committed since (D / 2: a row whose text turns copyable drafts
 # again sooner; grounded batch 4 took 33 rounds instead of 38); for a draft model, D if one of
 # its first tokens is the target's own next token, else 0 (as if the rest would follow).
-ROW_COST = 0.08
+ROW_COST = 0.06
 
 
 def tree_cost(B: int, N: int) -> float:
@@ -124,7 +133,7 @@ def lookup_chains(hist_BL, hlen_B, M: int, D: int):
     """Chains from n-gram lookup: (tokens [B, M, D], usable [B, M, D]).
 
     The row's history hist_BL (prompt, answer, pending token; hlen_B of them) is searched for
-    earlier ends of its last 1..NGRAM tokens; the D tokens that followed each of the M best
+    earlier ends of its last MIN_MATCH..NGRAM tokens; the D tokens that followed each of the M best
     matches (longest first, then latest) are its chains. A chain is usable as far as the
     history goes; chains that repeat an earlier one whole are dropped."""
     B, L = hist_BL.shape
@@ -138,7 +147,7 @@ def lookup_chains(hist_BL, hlen_B, M: int, D: int):
         same_BL &= (shifted_BL == last_BG[:, g:g + 1]) & (i_L >= g) & (g < hlen_B[:, None] - 1)
         length_BL += same_BL
     earlier_BL = i_L[None, :] < hlen_B[:, None] - 1
-    score_BL = jnp.where(earlier_BL & (length_BL > 0), length_BL * L + i_L, -1)
+    score_BL = jnp.where(earlier_BL & (length_BL >= MIN_MATCH), length_BL * L + i_L, -1)
     if M == 1:  # top_k lowers to a sort of the whole history on the CPU; argmax is one pass
         end_BM = jnp.argmax(score_BL, axis=1)[:, None]
         score_BM = jnp.take_along_axis(score_BL, end_BM, axis=1)
