@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxkv import kernels
 from jaxkv.cache import Int8KV, quantize_kv
 
 
@@ -28,8 +29,26 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
     them in one pass once kv_len passes a third of the slots; many queries never form scores
     wider than a block). own (optional): a second key set (k_BKUH, v_BKUH, mask_BTU, bias_BNTU
     or None), e.g. the call's own tokens, attended together with the first. A query with no
-    visible key gets output 0 and lse -inf, never NaN. softcap (optional): scaled scores s become softcap * tanh(s / softcap).
+    visible key gets output 0 and lse -inf, never NaN. softcap (optional): scaled scores s
+    become softcap * tanh(s / softcap). On the CPU, a few queries with own keys and no bias (a
+    decode step, a tree pass) over a float32 or bfloat16 cache go to jaxkv.kernels.attend.
     """
+    if (own is not None and bias_BNTS is None and own[3] is None
+            and kernels.attend_fits(q_BTNH, k_BKSH)):
+        S, bounded = k_BKSH.shape[2], kv_len is not None
+
+        def xla(q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH, v_BKUH, mask_BTU, kv_len):
+            return _attend_parts_xla(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, None,
+                                     kv_len if bounded else None,
+                                     (k_BKUH, v_BKUH, mask_BTU, None), softcap)
+        return kernels.attend(xla, scale, softcap, q_BTNH, k_BKSH, v_BKSH, mask_BTS, *own[:3],
+                              kv_len if bounded else S)
+    return _attend_parts_xla(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
+                             softcap)
+
+
+def _attend_parts_xla(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own, softcap):
+    """attend_parts in XLA's operations."""
     if own is not None and isinstance(k_BKSH, Int8KV):
         own = (quantize_kv(own[0]), quantize_kv(own[1]), *own[2:])
     keys = [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS)] + ([] if own is None else [own])

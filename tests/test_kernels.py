@@ -106,3 +106,47 @@ def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXKV_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="no-such-compiler"):
         kernels._build()
+
+
+# ---- attention ----------------------------------------------------------------------------
+
+def attention_case(H, dtype, key=0):
+    """Queries of 2 rows x 3 tokens x 4 heads over 2 kv heads, a cache of 37 slots (some rows
+    read none of them) and 3 own keys."""
+    B, T, N, K, S, U = 2, 3, 4, 2, 37, 3
+    k = jax.random.split(jax.random.key(key), 7)
+    q_BTNH = jax.random.normal(k[0], (B, T, N, H))
+    kv = [jax.random.normal(k[i], shape).astype(dtype) for i, shape in
+          ((1, (B, K, S, H)), (2, (B, K, S, H)), (3, (B, K, U, H)), (4, (B, K, U, H)))]
+    mask_BTS = jax.random.bernoulli(k[5], 0.6, (B, T, S)).at[1, 0].set(False)
+    mask_BTU = jax.random.bernoulli(k[6], 0.5, (B, T, U)).at[1, 0].set(False)
+    return q_BTNH, kv, mask_BTS, mask_BTU
+
+
+@pytest.mark.parametrize("H,dtype,softcap,kv_len", [(16, jnp.float32, None, None),
+                                                    (20, jnp.float32, 5.0, 30),
+                                                    (32, jnp.bfloat16, None, 21)],
+                         ids=["float32", "tail_softcap_kv_len", "bfloat16"])
+def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len):
+    """Output and log-sum-exp against XLA's attention (a query that sees no key: 0 and -inf),
+    with head sizes that are not a whole vector, soft-capping, a kv_len bound, bfloat16 keys;
+    its derivative is XLA's."""
+    from jaxkv import attention
+    q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, dtype)
+    if kv_len is not None:
+        mask_BTS = mask_BTS & (jnp.arange(mask_BTS.shape[2]) < kv_len)
+    own = (k_own, v_own, mask_BTU, None)
+    run = lambda f: jax.jit(lambda q: f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
+                                        softcap))(q_BTNH)
+    assert kernels.attend_fits(q_BTNH, k)
+    text = jax.jit(lambda q: attention.attend_parts(q, k, v, mask_BTS, 0.3, None, kv_len, own,
+                                                    softcap)).lower(q_BTNH).as_text()
+    assert "@jaxkv_attend(" in text
+    (out, lse), (want, want_lse) = run(attention.attend_parts), run(attention._attend_parts_xla)
+    np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=2e-5)
+    assert np.isneginf(lse[1, 0]).all() and (out[1, 0] == 0).all()
+    loss = lambda f: lambda q: jnp.sum(jnp.sin(f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
+                                                 softcap)[0]))
+    np.testing.assert_allclose(jax.grad(loss(attention.attend_parts))(q_BTNH),
+                               jax.grad(loss(attention._attend_parts_xla))(q_BTNH), atol=1e-5)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv import quant
 
@@ -39,7 +40,11 @@ ROWS = {"float32": 64, "bfloat16": 64, "int8": 64}
 # 36 rows 55.3 -> 48.8 ms, 16 rows even).
 OUTER_ROWS = 24
 LANES = 16
-SOURCE = Path(__file__).with_name("dense.cc")
+# Up to this many queries per kv head (a call's tokens x the query heads sharing it) go to the
+# attention kernel (attend.cc): decode steps and trees; more (a prefill chunk) stay with XLA.
+ATTEND_ROWS = 64
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("dense.cc", "attend.cc"))
+HEADER = Path(__file__).with_name("common.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -60,7 +65,7 @@ def registered() -> bool:
         warnings.warn(f"jaxkv: CPU product kernels unavailable, using XLA's ({e})", stacklevel=2)
         return False
     for name, symbol in (("jaxkv_dense", "JaxkvDense"), ("jaxkv_dense_t", "JaxkvDenseT"),
-                         ("jaxkv_dense_int8", "JaxkvDenseInt8")):
+                         ("jaxkv_dense_int8", "JaxkvDenseInt8"), ("jaxkv_attend", "JaxkvAttend")):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
                                     platform="cpu")
     return True
@@ -83,18 +88,19 @@ def _build() -> Path:
     if not compiler:
         raise RuntimeError(f"no C++ compiler: {wanted!r} not found (set CXX, or install g++)")
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), jax.lib.__version__,
-                                    compiler, _cpu_features()]).encode()).hexdigest()[:16]
+    texts = [path.read_text() for path in (*SOURCES, HEADER)]
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), jax.lib.__version__, compiler,
+                                    _cpu_features()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("JAXKV_CACHE", Path.home() / ".cache" / "jaxkv")) / "kernels"
-    target = cache / f"dense-{key}.so"
+    target = cache / f"kernels-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then moved in whole
             built = Path(tmp) / target.name
-            run = subprocess.run([compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(built)],
-                                 capture_output=True, text=True)
+            run = subprocess.run([compiler, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o",
+                                  str(built)], capture_output=True, text=True)
             if run.returncode:
-                raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {run.stderr[-2000:]}")
+                raise RuntimeError(f"{compiler} failed on the kernels: {run.stderr[-2000:]}")
             os.replace(built, target)
     return target
 
@@ -160,3 +166,35 @@ def _dense_jvp(primals, tangents):
 def _dense_int8_jvp(primals, tangents):  # int8 weights are constants: only x moves
     (x_RI, q_OI, scale_OB), (dx_RI, _, _) = primals, tangents
     return dense_int8(x_RI, q_OI, scale_OB), _xla(dx_RI, _dequantize(q_OI, scale_OB))
+
+
+def attend_fits(q_BTNH, k_BKSH) -> bool:
+    """Whether attend takes these queries and cache keys (float32 or bfloat16; not Int8KV)."""
+    B, T, N, H = q_BTNH.shape
+    dtype = getattr(k_BKSH, "dtype", None)
+    return (dtype in (jnp.float32, jnp.bfloat16) and T * (N // k_BKSH.shape[1]) <= ATTEND_ROWS
+            and enabled())
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def attend(xla, scale: float, softcap, q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH, v_BKUH,
+           mask_BTU, kv_len):
+    """Softmax attention of q over the cache's keys (those below kv_len that mask_BTS allows) and
+    the call's own keys (mask_BTU) together: (output [B, T, N, H], log-sum-exp [B, T, N]), both
+    float32. The kernel on the CPU; xla(q, k, v, mask, k_own, v_own, own_mask, kv_len), the same
+    attention in XLA, on other platforms and for derivatives."""
+    def kernel(q_BTNH, *rest):
+        B, T, N, H = q_BTNH.shape
+        result = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),
+                  jax.ShapeDtypeStruct((B, T, N), jnp.float32))
+        *keys, kv_len = rest
+        return jax.ffi.ffi_call("jaxkv_attend", result, vmap_method="sequential")(
+            q_BTNH.astype(jnp.float32), *keys, jnp.asarray(kv_len, jnp.int32),
+            scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
+    return jax.lax.platform_dependent(q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH, v_BKUH, mask_BTU,
+                                      kv_len, cpu=kernel, default=xla)
+
+
+@attend.defjvp
+def _attend_jvp(xla, scale, softcap, primals, tangents):
+    return jax.jvp(xla, primals, tangents)

@@ -7,37 +7,15 @@
 // that XLA's own intra-op threads and the calling thread claim from one counter, so every core
 // streams its share of w and nothing waits on a thread that is busy elsewhere.
 
-#include <atomic>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <thread>
-#include <type_traits>
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace {
 
-constexpr int64_t kLanes = 16;   // floats per vector (one AVX-512 register, two AVX2 ones)
 constexpr int64_t kTileO = 4;    // output rows that share each load of x
 constexpr int64_t kTileR = 6;    // rows of x that share each load of w
 constexpr int64_t kAhead = 4096;  // bytes fetched ahead per byte of a weight (measured: 1-16 KiB)
-typedef float f32xL __attribute__((vector_size(kLanes * 4)));
 typedef uint16_t u16xL __attribute__((vector_size(kLanes * 2)));
 typedef uint32_t u32xL __attribute__((vector_size(kLanes * 4)));
-
-inline f32xL load_f32(const float* p) {
-  f32xL v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // kLanes int8 -> float32 (GCC's generic vector conversion goes element by element).
 inline f32xL int8_lanes(const int8_t* p) {
@@ -54,35 +32,6 @@ inline f32xL int8_lanes(const int8_t* p) {
   for (int64_t i = 0; i < kLanes; ++i) v[i] = p[i];
 #endif
   return v;
-}
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline f32xL splat(float s) {
-  f32xL v;
-#if defined(__AVX512F__)
-  __m512 m = _mm512_set1_ps(s);
-  std::memcpy(&v, &m, sizeof v);
-#else
-  for (int64_t i = 0; i < kLanes; ++i) v[i] = s;
-#endif
-  return v;
-}
-
-inline float sum_lanes(f32xL v) {
-#if defined(__AVX512F__)
-  __m512 m;
-  std::memcpy(&m, &v, sizeof m);
-  return _mm512_reduce_add_ps(m);
-#endif
-  float s = 0;
-  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
-  return s;
 }
 
 // One weight format: Lanes(o, i, p) gives kLanes weights of row o, part p < kParts of the
@@ -301,30 +250,6 @@ void ChunkT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int
   for (; o < o_end; ++o) TileT<NV, 1>(w, xT, y, R, I, O, o);
 }
 
-// Chunks of output rows claimed from one counter by the calling thread and by tasks on XLA's
-// intra-op pool. A task that starts after every chunk is claimed returns without touching the
-// buffers, so the call may return while it is still queued.
-struct Claims {
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t n;
-  explicit Claims(int64_t n_chunks) : n(n_chunks) {}
-  template <typename F>
-  void Run(const F& work) {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      work(c);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-inline void Pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
 constexpr int64_t kChunkBytes = 64 << 10;  // below this much of w per chunk, fewer chunks
 
 // chunk(o_begin, o_end) over every output row, in chunks of a multiple of `tile` rows split
@@ -336,15 +261,7 @@ void Parallel(ffi::ThreadPool pool, int64_t O, int64_t w_bytes, int64_t tile, co
   int64_t rows_per = (O + n - 1) / n;
   rows_per = (rows_per + tile - 1) / tile * tile;
   n = (O + rows_per - 1) / rows_per;
-  auto claims = std::make_shared<Claims>(n);
-  auto work = [&](int64_t c) { chunk(c * rows_per, std::min(O, (c + 1) * rows_per)); };
-  // Tasks must not reference this frame once every chunk is claimed: they only reach `work`
-  // through a claim, and the caller waits for every claimed chunk to be done.
-  for (int64_t t = 1; t < std::min(threads, n); ++t) {
-    pool.Schedule([claims, &work] { claims->Run(work); });
-  }
-  claims->Run(work);
-  while (claims->done.load(std::memory_order_acquire) < n) Pause();
+  RunTasks(pool, n, [&](int64_t c) { chunk(c * rows_per, std::min(O, (c + 1) * rows_per)); });
 }
 
 template <typename Rows>

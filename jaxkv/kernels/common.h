@@ -1,0 +1,98 @@
+// What the CPU kernels share: vectors of kLanes floats (GCC's vector extensions: one AVX-512
+// register, two AVX2 ones, or plain loops), and work split over XLA's intra-op pool.
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // floats per vector
+typedef float f32xL __attribute__((vector_size(kLanes * 4)));
+
+inline f32xL load_f32(const float* p) {
+  f32xL v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline f32xL splat(float s) {
+  f32xL v;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(s);
+  std::memcpy(&v, &m, sizeof v);
+#else
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = s;
+#endif
+  return v;
+}
+
+inline float sum_lanes(f32xL v) {
+#if defined(__AVX512F__)
+  __m512 m;
+  std::memcpy(&m, &v, sizeof m);
+  return _mm512_reduce_add_ps(m);
+#endif
+  float s = 0;
+  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Chunks of work claimed from one counter by the calling thread and by tasks on XLA's
+// intra-op pool. A task that starts after every chunk is claimed returns without touching the
+// buffers, so the call may return while it is still queued.
+struct Claims {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t n;
+  explicit Claims(int64_t n_chunks) : n(n_chunks) {}
+  template <typename F>
+  void Run(const F& work) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      work(c);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+inline void Pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// work(c) for c in [0, n), claimed by the calling thread and up to threads - 1 tasks on the pool.
+template <typename Work>
+void RunTasks(ffi::ThreadPool pool, int64_t n, const Work& work) {
+  auto claims = std::make_shared<Claims>(n);
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // Tasks must not reference this frame once every chunk is claimed: they only reach `work`
+  // through a claim, and the caller waits for every claimed chunk to be done.
+  for (int64_t t = 1; t < std::min(threads, n); ++t) {
+    pool.Schedule([claims, &work] { claims->Run(work); });
+  }
+  claims->Run(work);
+  while (claims->done.load(std::memory_order_acquire) < n) Pause();
+}
+
+}  // namespace
