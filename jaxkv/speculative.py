@@ -52,12 +52,12 @@ NGRAM = 3  # lookup matches the last MIN_MATCH..NGRAM tokens; longer ones rank f
 MIN_MATCH = 2
 # When drafting pays. A pass over R rows (tokens of all rows together) costs about
 # 1 + ROW_COST (R - 1) one-row steps: its products read every weight once, and each row adds
-# compute (SmolLM2 fp32, 2-core Xeon, `scripts/bench_speculative.py --costs`: 9 rows 1.63
-# steps, a batch of 4 x 9 nodes 2.56 of its 4-row step; 0.08 fits the first, 0.06 the second).
-# With one-token matches no longer offered (MIN_MATCH), 0.06 drafted no more on free-form
-# text than 0.08 and more on grounded: A/B in one run, grounded batch 4 1.80x -> 1.84x
-# generate, batch 1 3.28x -> 3.39x, free-form batch 1 1.04x -> 1.05x, batch 4 0.950x ->
-# 0.945x (one pass less; the rounds' own work, not drafting, is what batch 4 loses there). A
+# compute. SmolLM2 fp32, 2-core Xeon, `scripts/bench_speculative.py --costs`, with the attention
+# kernel: 9 rows 1.67 steps, a batch of 4 x 9 nodes 3.04 of its 4-row step; the model says
+# 1.64 and 3.06. (Before that kernel the 4-row step was slower and the tree cheaper beside it,
+# 2.56 steps, and 0.06 fitted batch 4 better: A/B in one run, grounded batch 4 1.80x -> 1.84x
+# generate, free-form batch 4 0.950x -> 0.945x; once the kernel made steps faster, 0.06
+# drafted on free-form text at a loss: 0.94x against 0.98x never drafting.) A
 # tree of N nodes per row therefore costs a batch of B rows ROW_COST B (N - 1) / (1 + ROW_COST
 # (B - 1)) steps more than a plain step; a round drafts when the live rows' expected accepted
 # tokens add up to that many per live row. Each row's expectation is a running mean (halved
@@ -66,7 +66,7 @@ MIN_MATCH = 2
 # checked against the tokens committed since (D / 2: a row whose text turns copyable drafts
 # again sooner; grounded batch 4 took 33 rounds instead of 38); for a draft model, D if one of
 # its first tokens is the target's own next token, else 0 (as if the rest would follow).
-ROW_COST = 0.06
+ROW_COST = 0.08
 
 
 def tree_cost(B: int, N: int) -> float:
