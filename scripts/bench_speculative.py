@@ -136,8 +136,11 @@ def main():
     ap.add_argument("--costs", action="store_true", help="only time tree passes (see above)")
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 3, 5, 9, 17],
                     help="--costs: tree nodes per row")
-    ap.add_argument("--out", default="results/bench_speculative")
+    ap.add_argument("--out", help="path without extension (default results/bench_speculative, "
+                    "with --costs results/bench_speculative_costs)")
     args = ap.parse_args()
+    args.out = args.out or ("results/bench_speculative_costs" if args.costs else
+                            "results/bench_speculative")
     path = jaxkv.default_model()
     params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)
     if args.costs:

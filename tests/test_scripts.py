@@ -54,3 +54,14 @@ def test_speculative_pass_costs_run(tmp_path):
         rows = json.load(f)["pass_costs"]
     assert [(r["batch"], r["nodes"], r["rows"]) for r in rows] == [(2, 1, 2), (2, 3, 6)]
     assert rows[0]["vs_step"] == 1.0 and rows[1]["row_cost_model"] > 1
+
+
+def test_lookup_replay_runs(tmp_path):
+    out = str(tmp_path / "replay.json")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "replay_lookup.py"),
+                          "--new-tokens", "6", "--out", out], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(out) as f:
+        kinds = json.load(f)["kinds"]
+    assert set(kinds) == {"grounded", "free"} and all(kinds.values())
