@@ -54,11 +54,11 @@ MIN_MATCH = 2
 # 1 + ROW_COST (R - 1) one-row steps: its products read every weight once, and each row adds
 # compute. SmolLM2 fp32, 2-core Xeon, `scripts/bench_speculative.py --costs`, with the attention
 # kernel, three runs: 9 rows 1.66-1.73 steps, a batch of 4 x 9 nodes 2.78-3.04 of its 4-row
-# step; the model says 1.64 and 3.06. (Before that kernel the 4-row step was slower and the tree cheaper beside it,
-# 2.56 steps, and 0.06 fitted batch 4 better: A/B in one run, grounded batch 4 1.80x -> 1.84x
-# generate, free-form batch 4 0.950x -> 0.945x; once the kernel made steps faster, 0.06
-# drafted on free-form text at a loss: 0.94x against 0.98x never drafting.) A
-# tree of N nodes per row therefore costs a batch of B rows ROW_COST B (N - 1) / (1 + ROW_COST
+# step; the model says 1.64 and 3.06. (Before that kernel the 4-row step was slower and the
+# tree cheaper beside it, 2.56 steps, and 0.06 fitted batch 4 better: A/B in one run, grounded
+# batch 4 1.80x -> 1.84x generate, free-form batch 4 0.950x -> 0.945x; once the kernel made
+# steps faster, 0.06 drafted on free-form text at a loss: 0.94x against 0.98x never drafting.)
+# A tree of N nodes per row therefore costs a batch of B rows ROW_COST B (N - 1) / (1 + ROW_COST
 # (B - 1)) steps more than a plain step; a round drafts when the live rows' expected accepted
 # tokens add up to that many per live row. Each row's expectation is a running mean (halved
 # towards each new value) of what its drafts got accepted, and, in rounds it did not draft, of

@@ -43,7 +43,8 @@ def replay(prompt, answer, D):
         g = match_length(hist, n)
         chain, usable = speculative.lookup_chains(jnp.asarray(hist[None]), jnp.array([n]), 1, D)
         truth = hist[n:n + D]
-        same = (np.asarray(chain[0, 0, :len(truth)]) == truth) & np.asarray(usable[0, 0, :len(truth)])
+        chain_D, usable_D = (np.asarray(x[0, 0, :len(truth)]) for x in (chain, usable))
+        same = (chain_D == truth) & usable_D
         a = int(np.cumprod(same).sum())
         rounds.append((g, a))
         n += a + 1

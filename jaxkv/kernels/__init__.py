@@ -121,7 +121,8 @@ def int8_fits(q_OI, scale_OB) -> bool:
 def dense(x_RI, w_OI):
     """x @ w.T in float32, w float32 or bfloat16 [O, I]: the kernel on the CPU, XLA elsewhere."""
     return jax.lax.platform_dependent(
-        x_RI, w_OI, cpu=_ffi("jaxkv_dense"), default=lambda x, w: _xla(x, w))
+        x_RI, w_OI, cpu=_ffi("jaxkv_dense", outer="jaxkv_dense_t"),
+        default=lambda x, w: _xla(x, w))
 
 
 @jax.custom_jvp
@@ -132,7 +133,9 @@ def dense_int8(x_RI, q_OI, scale_OB):
         default=lambda x, q, s: _xla(x, _dequantize(q, s)))
 
 
-def _ffi(target):
+def _ffi(target, outer=None):
+    """The kernel call; outer (float32 weights only): the target taking x transposed, used from
+    OUTER_ROWS rows on."""
     def call(x_RI, *w):
         if not registered():
             raise RuntimeError("jaxkv: the CPU product kernels could not be built (see the "
@@ -140,10 +143,10 @@ def _ffi(target):
         R = x_RI.shape[0]
         y = jax.ShapeDtypeStruct((R, w[0].shape[0]), jnp.float32)
         x_RI = x_RI.astype(jnp.float32)
-        if target == "jaxkv_dense" and w[0].dtype == jnp.float32 and R >= OUTER_ROWS:
+        if outer and w[0].dtype == jnp.float32 and R >= OUTER_ROWS:
             # The outer-product form takes x transposed, its rows padded to whole vectors.
             xT_IR = jnp.pad(x_RI, ((0, -R % LANES), (0, 0))).T
-            return jax.ffi.ffi_call("jaxkv_dense_t", y, vmap_method="sequential")(xT_IR, *w)
+            return jax.ffi.ffi_call(outer, y, vmap_method="sequential")(xT_IR, *w)
         return jax.ffi.ffi_call(target, y, vmap_method="sequential")(x_RI, *w)
     return call
 

@@ -13,6 +13,8 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -120,6 +122,32 @@ void Values(const Shapes& d, const KeySet& v, int64_t n, int64_t b, int64_t kv, 
   }
 }
 
+// Scores row[0, n) -> e^(score - max) in place; returns (max, sum of the weights). A row with
+// no visible key (all -inf) becomes 0 with max -inf and sum 0.
+std::pair<float, float> Softmax(float* row, int64_t n) {
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  float m = minus_inf;
+  for (int64_t c = 0; c < n; ++c) m = std::max(m, row[c]);
+  if (m == minus_inf) {
+    std::fill(row, row + n, 0.0f);
+    return {m, 0.0f};
+  }
+  f32xL sum{};
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    f32xL e = exp_lanes(load_f32(row + c) - m);
+    std::memcpy(row + c, &e, sizeof e);
+    sum += e;
+  }
+  float s = sum_lanes(sum);
+  alignas(64) float tail[kLanes];  // the last n - c scores, padded with -inf (weight 0)
+  std::fill(tail, tail + kLanes, minus_inf);
+  std::copy(row + c, row + n, tail);
+  f32xL e = exp_lanes(load_f32(tail) - m);
+  for (int64_t l = 0; c + l < n; ++l) s += (row[c + l] = e[l]);
+  return {m, s};
+}
+
 // One (row b, kv head kv): softmax over the cache's first S_read keys and the own U keys.
 void Task(const Shapes& d, const float* q, const KeySet& k, const KeySet& v, const bool* mask,
           const KeySet& k_own, const KeySet& v_own, const bool* own_mask, int64_t b, int64_t kv,
@@ -129,34 +157,8 @@ void Task(const Shapes& d, const float* q, const KeySet& k, const KeySet& v, con
   Scores(d, q, k, mask, d.S, d.S_read, b, kv, 0, columns, scores.data(), buf.data());
   Scores(d, q, k_own, own_mask, d.U, d.U, b, kv, d.S_read, columns, scores.data(), buf.data());
   std::vector<float> total(rows), top(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = scores.data() + r * columns;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < columns; ++c) m = std::max(m, row[c]);
-    top[r] = m;
-    if (m == -std::numeric_limits<float>::infinity()) {
-      std::fill(row, row + columns, 0.0f);
-      total[r] = 0;
-      continue;
-    }
-    f32xL sum{};
-    int64_t c = 0;
-    for (; c + kLanes <= columns; c += kLanes) {
-      f32xL e = exp_lanes(load_f32(row + c) - m);
-      std::memcpy(row + c, &e, sizeof e);
-      sum += e;
-    }
-    float s = sum_lanes(sum);
-    for (; c < columns; ++c) {
-      alignas(64) float tail[kLanes] = {};
-      for (int64_t i = 0; i < kLanes; ++i) tail[i] = -100.0f;  // e^-100 = 0 here
-      tail[0] = row[c] - m;
-      f32xL e = exp_lanes(load_f32(tail));
-      row[c] = e[0];
-      s += e[0];
-    }
-    total[r] = s;
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    std::tie(top[r], total[r]) = Softmax(scores.data() + r * columns, columns);
   Values(d, v, d.S_read, b, kv, 0, columns, scores.data(), acc.data(), buf.data());
   Values(d, v_own, d.U, b, kv, d.S_read, columns, scores.data(), acc.data(), buf.data());
   for (int64_t t = 0; t < d.T; ++t)

@@ -233,7 +233,8 @@ void TileT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int6
   }
   for (; i < I; ++i)
     for (int k = 0; k < NO; ++k)
-      for (int v = 0; v < NV; ++v) acc[k][v] += splat(tile[k * I + i]) * load_f32(xT + i * Rp + v * kLanes);
+      for (int v = 0; v < NV; ++v)
+        acc[k][v] += splat(tile[k * I + i]) * load_f32(xT + i * Rp + v * kLanes);
   for (int k = 0; k < NO; ++k)
     for (int v = 0; v < NV; ++v)
       for (int64_t l = 0; l < kLanes && v * kLanes + l < R; ++l)
