@@ -108,6 +108,12 @@ def test_the_lookup_finds_the_longest_latest_matches():
     assert usable[0, :2].all() and not usable[0, 2].any()
 
 
+def test_the_lookup_offers_no_one_token_match():
+    """MIN_MATCH: the last token 2 ends earlier (then 7 1), but no two-token match does."""
+    hist = np.array([[5, 2, 7, 1, 3, 2, 0, 0]])
+    tokens, usable = speculative.lookup_chains(jnp.asarray(hist), jnp.array([6]), 1, 2)
+    assert speculative.MIN_MATCH == 2 and not usable.any()
+
 
 def test_hindsight_checks_the_lookup_tree_made_d_tokens_ago():
     hist = np.array([[5, 1, 2, 7, 8, 9, 1, 2, 7, 8, 4, 0, 0],
