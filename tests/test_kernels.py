@@ -31,6 +31,16 @@ def test_float_product_equals_float64(R, I, O, dtype):
     np.testing.assert_allclose(y_RO, reference(x_RI, w_OI.astype(jnp.float32)), atol=2e-5 * I)
 
 
+@pytest.mark.parametrize("I", [64, 77])
+def test_bfloat16_product_of_a_bfloat16_row_equals_float64(I):
+    """One row of x holding bfloat16 numbers (a bfloat16 model's activations) takes the
+    vdpbf16ps form where the CPU has it; inputs past the last 32 are finished one by one."""
+    x_RI = jax.random.normal(jax.random.key(0), (1, I)).astype(jnp.bfloat16).astype(jnp.float32)
+    w_OI = jax.random.normal(jax.random.key(1), (203, I)).astype(jnp.bfloat16)
+    y_RO = jax.jit(kernels.dense)(x_RI, w_OI)
+    np.testing.assert_allclose(y_RO, reference(x_RI, w_OI.astype(jnp.float32)), atol=2e-5 * I)
+
+
 @pytest.mark.parametrize("block", [None, 16, 32])
 @pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("R", [1, 6, 20])  # 20: the outer-product form

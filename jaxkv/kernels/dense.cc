@@ -271,6 +271,65 @@ void Parallel(ffi::ThreadPool pool, int64_t O, int64_t w_bytes, int64_t tile, co
   RunTasks(pool, n, [&](int64_t c) { chunk(c * rows_per, std::min(O, (c + 1) * rows_per)); });
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 weights and one row of x that is bfloat16 itself (a bfloat16 model's activations,
+// converted to float32 for the call): one vdpbf16ps multiplies 32 pairs exactly and adds them
+// into float32 lanes, where BF16Rows takes two integer ops and two multiply-adds (and holds for
+// any float32 x). The instruction flushes subnormal numbers (below 1.2e-38) to zero. SmolLM2's
+// bfloat16 step products, 2-core Xeon, same process: 1 row 11.0 -> 9.9 ms; 2 rows no faster.
+constexpr int64_t kPairs = 2 * kLanes;  // bfloat16 inputs per vdpbf16ps
+
+// y[o] for o0 <= o < o0 + kTileO.
+void TileDP(const uint16_t* w, const uint16_t* xb, float* y, int64_t I, int64_t I_vec,
+            int64_t o0) {
+  __m512 acc[kTileO];
+#pragma GCC unroll 8
+  for (int64_t k = 0; k < kTileO; ++k) acc[k] = _mm512_setzero_ps();
+  constexpr int64_t kStep = kTileO * kPairs * 2;
+  const char* ahead = reinterpret_cast<const char*>(w + o0 * I) + kAhead * 2;
+  for (int64_t i = 0; i < I_vec; i += kPairs, ahead += kStep) {
+    for (int64_t b = 0; b < kStep; b += 64) __builtin_prefetch(ahead + b);
+    __m512bh x_pairs = (__m512bh)_mm512_loadu_si512(xb + i);
+#pragma GCC unroll 8
+    for (int64_t k = 0; k < kTileO; ++k)
+      acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)_mm512_loadu_si512(w + (o0 + k) * I + i),
+                                x_pairs);
+  }
+  for (int64_t k = 0; k < kTileO; ++k) {
+    float s = _mm512_reduce_add_ps(acc[k]);
+    for (int64_t i = I_vec; i < I; ++i) s += bf16_to_f32(w[(o0 + k) * I + i]) * bf16_to_f32(xb[i]);
+    y[o0 + k] = s;
+  }
+}
+
+// y [1, O] from bfloat16 w and the row of x given as bfloat16 xb [I].
+void DenseDP(ffi::ThreadPool pool, const uint16_t* w, const uint16_t* xb, float* y, int64_t I,
+             int64_t O) {
+  int64_t I_vec = I - I % kPairs;
+  Parallel(pool, O, O * I * 2, kTileO, [&](int64_t begin, int64_t end) {
+    int64_t o = begin;
+    for (; o + kTileO <= end; o += kTileO) TileDP(w, xb, y, I, I_vec, o);
+    for (; o < end; ++o) {
+      float s = 0;
+      for (int64_t i = 0; i < I; ++i) s += bf16_to_f32(w[o * I + i]) * bf16_to_f32(xb[i]);
+      y[o] = s;
+    }
+  });
+}
+
+// x as bfloat16 when every value is one (its low 16 bits zero), else nothing.
+std::unique_ptr<uint16_t[]> AsBF16(const float* x, int64_t n) {
+  std::unique_ptr<uint16_t[]> out(new uint16_t[n]);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, 4);
+    if (bits & 0xffffu) return nullptr;
+    out[i] = uint16_t(bits >> 16);
+  }
+  return out;
+}
+#endif
+
 template <typename Rows>
 void Dense(ffi::ThreadPool pool, const Rows& w, const float* x, float* y, int64_t R, int64_t I,
            int64_t O) {
@@ -335,6 +394,12 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       return ffi::Error::Success();
     case ffi::BF16: {
       BF16Base rows{static_cast<const uint16_t*>(w.untyped_data()), I};
+#if defined(__AVX512BF16__)
+      if (auto xb = R == 1 ? AsBF16(xp, I) : nullptr) {
+        DenseDP(pool, rows.w, xb.get(), yp, I, O);
+        return ffi::Error::Success();
+      }
+#endif
       if (R >= 3 && R <= 6) {
         Dense(pool, BF16Widen{rows}, xp, yp, R, I, O);
       } else {
