@@ -55,6 +55,16 @@ def test_draft_model_greedy_equals_generate(llama, draft_model):
     np.testing.assert_array_equal(stats.accepted, [6 * 3] * 3)
 
 
+def test_the_draft_stores_its_tree_in_place(draft_model):
+    """A draft round copies no layer of its cache: each store waits for the reads before it."""
+    dcache = jaxkv.init_cache(draft_model, 2, 32)
+    chains = jax.jit(lambda c, t: speculative.draft_chains(
+        draft_model, c, t, t < 0, t, jnp.array([5, 9]), 2, 3)[1], donate_argnums=0)
+    text = chains.lower(dcache, jnp.zeros((2,), jnp.int32)).compile().as_text()
+    layer = "[" + ",".join(map(str, dcache.k[0].shape)) + "]"
+    assert not [line for line in text.splitlines() if " copy(" in line and layer in line]
+
+
 def test_sampled_equals_generate_with_the_same_key(llama, draft_model):
     prompts = ragged_prompts(2)
     options = dict(temperature=0.8, top_k=40, top_p=0.95, key=jax.random.key(11))
