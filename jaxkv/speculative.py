@@ -253,8 +253,14 @@ def compact(cache, pos_B, m_B, a_B, M: int, D: int):
     src_BN = pos_B[:, None] + np.arange(1 + M * D)
     dst_BN = kept_slots(pos_B, m_B, a_B, M, D, cache.capacity)
     rows_B1 = jnp.arange(pos_B.shape[0])[:, None]
-    move = lambda x: x.at[rows_B1, :, dst_BN].set(x[rows_B1, :, src_BN], mode="drop")  # noqa
-    return cache.replace(k=jax.tree.map(move, cache.k), v=jax.tree.map(move, cache.v))
+    k, v = cache.k, cache.v
+    # The moved K/V are read out whole first (the barrier keeps the read out of the write's
+    # loop): fused, one loop would read and write the same layer, and XLA copied every layer
+    # of the cache for it (at batch 1).
+    k_moved, v_moved = jax.lax.optimization_barrier(jax.tree.map(lambda x: x[rows_B1, :, src_BN],
+                                                                 (k, v)))
+    move = lambda x, moved: x.at[rows_B1, :, dst_BN].set(moved, mode="drop")  # noqa
+    return cache.replace(k=jax.tree.map(move, k, k_moved), v=jax.tree.map(move, v, v_moved))
 
 
 # ---- the compiled loop --------------------------------------------------------------------
