@@ -62,11 +62,19 @@ MIN_MATCH = 2
 # (B - 1)) steps more than a plain step; a round drafts when the live rows' expected accepted
 # tokens add up to that many per live row. Each row's expectation is a running mean (halved
 # towards each new value) of what its drafts got accepted, and, in rounds it did not draft, of
-# what they would have: the better of the lookup trees made D and D / 2 tokens earlier, each
-# checked against the tokens committed since (D / 2: a row whose text turns copyable drafts
-# again sooner; grounded batch 4 took 33 rounds instead of 38); for a draft model, D if one of
-# its first tokens is the target's own next token, else 0 (as if the rest would follow).
+# what they would have (times HINDSIGHT, below): the better of the lookup trees made D and
+# D / 2 tokens earlier, each checked against the tokens committed since (D / 2: a row whose
+# text turns copyable drafts again sooner; grounded batch 4 took 33 rounds instead of 38); for a
+# draft model, D if one of its first tokens is the target's own next token, else 0 (as if the
+# rest would follow).
 ROW_COST = 0.08
+# What a lookup row's hindsight (the drafted tokens its tree from D or D / 2 tokens ago would have
+# had accepted) counts for in its running mean. Text that repeated a while does not go on
+# repeating as often: on the free-form prompts SmolLM2 at batch 4 drafted at a loss on it (8 x 1:
+# 5-11 tokens accepted for a handful of 4 x 9-node passes, 0.93-0.97x generate; never drafting
+# 1.00x). A replay of the rule over generate's answers at batch 4 (n_draft 8 / 4): free-form
+# 0.97x / 0.98x -> 1.00x / 1.00x, grounded 1.87x / 2.05x -> 1.91x / 1.99x at half.
+HINDSIGHT = 0.5
 
 
 def tree_cost(B: int, N: int) -> float:
@@ -378,8 +386,8 @@ def _round(params, dparams, eos_E, s: _Rows, *, max_new_tokens: int, capacity: i
     if dcache is not None:
         dcache = compact(dcache, s.pos, m_B, a_B, M, D)
     if dparams is None:
-        missed_B = jnp.maximum(lookup_hindsight(s.hist, s.pos + 1, M, D),
-                               lookup_hindsight(s.hist, s.pos + 1, M, (D + 1) // 2))
+        missed_B = HINDSIGHT * jnp.maximum(lookup_hindsight(s.hist, s.pos + 1, M, D),
+                                           lookup_hindsight(s.hist, s.pos + 1, M, (D + 1) // 2))
     else:
         missed_B = D * (chain_BMD[:, :, 0] == committed_BJ[:, :1]).any(1)
     seen_B = jnp.where(drafting_B, a_B, missed_B)
