@@ -31,14 +31,18 @@ def test_float_product_equals_float64(R, I, O, dtype):
     np.testing.assert_allclose(y_RO, reference(x_RI, w_OI.astype(jnp.float32)), atol=2e-5 * I)
 
 
-@pytest.mark.parametrize("I", [64, 77])
-def test_bfloat16_product_of_a_bfloat16_row_equals_float64(I):
-    """One row of x holding bfloat16 numbers (a bfloat16 model's activations) takes the
-    vdpbf16ps form where the CPU has it; inputs past the last 32 are finished one by one."""
-    x_RI = jax.random.normal(jax.random.key(0), (1, I)).astype(jnp.bfloat16).astype(jnp.float32)
+@pytest.mark.parametrize("R,I,x_dtype", [(1, 64, jnp.float32), (1, 77, jnp.float32),
+                                         (1, 77, jnp.bfloat16), (4, 77, jnp.bfloat16),
+                                         (9, 64, jnp.bfloat16)])
+def test_bfloat16_product_of_bfloat16_rows_equals_float64(R, I, x_dtype):
+    """x holding bfloat16 numbers (a bfloat16 model's activations), given as float32 or as
+    bfloat16: one row takes the vdpbf16ps form where the CPU has it (inputs past the last 32
+    finished one by one); more rows take the other forms."""
+    x_RI = jax.random.normal(jax.random.key(0), (R, I)).astype(jnp.bfloat16).astype(x_dtype)
     w_OI = jax.random.normal(jax.random.key(1), (203, I)).astype(jnp.bfloat16)
     y_RO = jax.jit(kernels.dense)(x_RI, w_OI)
-    np.testing.assert_allclose(y_RO, reference(x_RI, w_OI.astype(jnp.float32)), atol=2e-5 * I)
+    want = reference(x_RI.astype(jnp.float32), w_OI.astype(jnp.float32))
+    np.testing.assert_allclose(y_RO, want, atol=2e-5 * I)
 
 
 @pytest.mark.parametrize("block", [None, 16, 32])
