@@ -207,12 +207,6 @@ def draft_chains(dparams: Params, dcache, prev_B, need_prev_B, pending_B, pos_B,
     for d in range(1, D):
         nodes = 1 + np.arange(M) * D + d - 1
         logits_BMV, kv = tree_pass(dparams, dcache, chain_BMD[:, :, d - 1], pos_B, nodes, M, D)
-        # Keys and values tied to the pass's logits (+ 0 x) make the store wait for the pass's
-        # reads of the cache and write in place. Free to go first, XLA copied the whole cache for
-        # it (an optimization_barrier did not stop that): SmolLM2's int8 draft, D 4, 2-core
-        # Xeon, one call: batch 4 80 -> 68 ms, batch 1 38 -> 28 ms.
-        after_B1T1 = 0 * logits_BMV[:, None, :, :1]
-        kv = jax.tree.map(lambda x: x + after_B1T1.astype(x.dtype), kv)
         dcache = store(dcache, kv, pos_B[:, None] + nodes[None, :])
         chain_BMD = chain_BMD.at[:, :, d].set(argmax(logits_BMV))
     return chain_BMD, dcache
