@@ -18,9 +18,9 @@ def reference(x_RI, w_OI):
 
 
 @pytest.mark.parametrize("R,I,O", [(1, 64, 96), (3, 576, 200), (16, 96, 4096), (5, 37, 13),
-                                   (2, 77, 13), (37, 77, 29)],
+                                   (2, 77, 13), (37, 77, 29), (45, 40, 53)],
                          ids=["one_row", "several_rows", "sixteen_rows", "tails", "tails_two_rows",
-                              "outer_form_tails"])
+                              "outer_form_dot_rest", "outer_form_padded"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_float_product_equals_float64(R, I, O, dtype):
     """Rows not a multiple of the 4-row tile, inputs not a multiple of 16 lanes, many chunks."""
@@ -124,10 +124,10 @@ def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
 
 # ---- attention ----------------------------------------------------------------------------
 
-def attention_case(H, dtype, key=0):
-    """Queries of 2 rows x 3 tokens x 4 heads over 2 kv heads, a cache of 37 slots (some rows
+def attention_case(H, dtype, key=0, T=3, N=4):
+    """Queries of 2 rows x T tokens x N heads over 2 kv heads, a cache of 37 slots (some rows
     read none of them) and 3 own keys."""
-    B, T, N, K, S, U = 2, 3, 4, 2, 37, 3
+    B, K, S, U = 2, 2, 37, 3
     k = jax.random.split(jax.random.key(key), 7)
     q_BTNH = jax.random.normal(k[0], (B, T, N, H))
     kv = [jax.random.normal(k[i], shape).astype(dtype) for i, shape in
@@ -137,16 +137,20 @@ def attention_case(H, dtype, key=0):
     return q_BTNH, kv, mask_BTS, mask_BTU
 
 
-@pytest.mark.parametrize("H,dtype,softcap,kv_len", [(16, jnp.float32, None, None),
-                                                    (20, jnp.float32, 5.0, 30),
-                                                    (32, jnp.bfloat16, None, 21)],
-                         ids=["float32", "tail_softcap_kv_len", "bfloat16"])
-def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len):
+@pytest.mark.parametrize("H,dtype,softcap,kv_len,T,N", [(16, jnp.float32, None, None, 3, 4),
+                                                        (20, jnp.float32, 5.0, 30, 3, 4),
+                                                        (32, jnp.bfloat16, None, 21, 3, 4),
+                                                        (20, jnp.float32, None, 30, 9, 6),
+                                                        (16, jnp.bfloat16, 5.0, None, 11, 8),
+                                                        (24, jnp.float32, None, None, 16, 8)],
+                         ids=["float32", "tail_softcap_kv_len", "bfloat16", "27_queries",
+                              "44_queries", "64_queries"])
+def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N):
     """Output and log-sum-exp against XLA's attention (a query that sees no key: 0 and -inf),
-    with head sizes that are not a whole vector, soft-capping, a kv_len bound, bfloat16 keys;
-    its derivative is XLA's."""
+    with head sizes that are not a whole vector, soft-capping, a kv_len bound, bfloat16 keys,
+    and 6 to 64 queries per kv head (1 to 4 vectors of them); its derivative is XLA's."""
     from jaxkv import attention
-    q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, dtype)
+    q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, dtype, T=T, N=N)
     if kv_len is not None:
         mask_BTS = mask_BTS & (jnp.arange(mask_BTS.shape[2]) < kv_len)
     own = (k_own, v_own, mask_BTU, None)

@@ -35,11 +35,10 @@ from jaxkv import quant
 # on; the dot form alone fell to 0.95x at 64); bfloat16 and int8 (XLA converts them first)
 # 11-24x at 1 row, still 2.0x and 2.5x at 64.
 ROWS = {"float32": 64, "bfloat16": 64, "int8": 64}
-# From this many rows of x on, float32 weights go to the kernel's outer-product form (x
-# transposed, padded to whole vectors of LANES rows) instead of its dot form (dense.cc, TileT:
-# 36 rows 55.3 -> 48.8 ms, 16 rows even).
+# From this many rows of x on, float32 weights go to the kernel's outer-product form instead
+# of its dot form (dense.cc, TileT: 36 rows 55.3 -> 48.8 ms, 16 rows even; again with the dot
+# form for the rows past whole vectors, --layers 10: 24 rows even, 28-36 rows 1.07-1.10x).
 OUTER_ROWS = 24
-LANES = 16
 # Up to this many queries per kv head (a call's tokens x the query heads sharing it) go to the
 # attention kernel (attend.cc): decode steps and trees; more (a prefill chunk) stay with XLA.
 ATTEND_ROWS = 64
@@ -143,11 +142,8 @@ def _ffi(target, outer=None):
         R = x_RI.shape[0]
         y = jax.ShapeDtypeStruct((R, w[0].shape[0]), jnp.float32)
         x_RI = x_RI.astype(jnp.float32)
-        if outer and w[0].dtype == jnp.float32 and R >= OUTER_ROWS:
-            # The outer-product form takes x transposed, its rows padded to whole vectors.
-            xT_IR = jnp.pad(x_RI, ((0, -R % LANES), (0, 0))).T
-            return jax.ffi.ffi_call(outer, y, vmap_method="sequential")(xT_IR, *w)
-        return jax.ffi.ffi_call(target, y, vmap_method="sequential")(x_RI, *w)
+        form = outer if outer and w[0].dtype == jnp.float32 and R >= OUTER_ROWS else target
+        return jax.ffi.ffi_call(form, y, vmap_method="sequential")(x_RI, *w)
     return call
 
 
