@@ -52,12 +52,14 @@ NGRAM = 3  # lookup matches the last MIN_MATCH..NGRAM tokens; longer ones rank f
 MIN_MATCH = 2
 # When drafting pays. A pass over R rows (tokens of all rows together) costs about
 # 1 + ROW_COST (R - 1) one-row steps: its products read every weight once, and each row adds
-# compute. SmolLM2 fp32, 2-core Xeon, `scripts/bench_speculative.py --costs`, with the attention
-# kernel, three runs: 9 rows 1.66-1.73 steps, a batch of 4 x 9 nodes 2.78-3.04 of its 4-row
-# step; the model says 1.64 and 3.06. (Before that kernel the 4-row step was slower and the
-# tree cheaper beside it, 2.56 steps, and 0.06 fitted batch 4 better: A/B in one run, grounded
-# batch 4 1.80x -> 1.84x generate, free-form batch 4 0.950x -> 0.945x; once the kernel made
-# steps faster, 0.06 drafted on free-form text at a loss: 0.94x against 0.98x never drafting.)
+# compute. SmolLM2 fp32, 2-core Xeon, `scripts/bench_speculative.py --costs`, with the tree
+# kernels (queries across lanes in attention, rows past whole vectors in the dot form), two
+# runs: 9 rows 1.55-1.59 steps, a batch of 4 x 9 nodes 2.56-2.60 of its 4-row step, 4 x 5 nodes
+# 2.01-2.08; the model says 1.56, 2.85 and 1.93 (0.08 before those kernels, when 4 x 9 cost
+# 2.78-3.04; 0.06 had drafted on free-form text at a loss then). The kernels and 0.07 together
+# (results/bench_speculative_trees against _hindsight): grounded batch 4 1.59x -> 1.80x
+# generate (8 x 1), free-form batch 4 1.00x -> 0.98x, never drafting there; 0.05 was no better
+# on grounded batch 4 (7 x 1, one run: 1.67x against 1.68x).
 # A tree of N nodes per row therefore costs a batch of B rows ROW_COST B (N - 1) / (1 + ROW_COST
 # (B - 1)) steps more than a plain step; a round drafts when the live rows' expected accepted
 # tokens add up to that many per live row. Each row's expectation is a running mean (halved
@@ -67,7 +69,7 @@ MIN_MATCH = 2
 # text turns copyable drafts again sooner; grounded batch 4 took 33 rounds instead of 38); for a
 # draft model, D if one of its first tokens is the target's own next token, else 0 (as if the
 # rest would follow).
-ROW_COST = 0.08
+ROW_COST = 0.07
 # What a lookup row's hindsight (the drafted tokens its tree from D or D / 2 tokens ago would have
 # had accepted) counts for in its running mean. Text that repeated a while does not go on
 # repeating as often: on the free-form prompts SmolLM2 at batch 4 drafted at a loss on it (8 x 1:
