@@ -169,18 +169,18 @@ void Softmax(float* scoresT, int64_t columns, float* top, float* total) {
   constexpr int64_t RP = Lanes<NR>::kRP;
   const f32xL minus_inf = splat(-std::numeric_limits<float>::infinity()), zero{};
   f32xL m[NR], shift[NR], sum[NR];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int v = 0; v < NR; ++v) m[v] = minus_inf, sum[v] = zero;
   for (int64_t c = 0; c < columns; ++c)
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int v = 0; v < NR; ++v) {
       f32xL x = load_f32(scoresT + c * RP + v * kLanes);
       m[v] = x > m[v] ? x : m[v];
     }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int v = 0; v < NR; ++v) shift[v] = m[v] == minus_inf ? zero : m[v];  // e^-inf: 0
   for (int64_t c = 0; c < columns; ++c)
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int v = 0; v < NR; ++v) {
       float* at = scoresT + c * RP + v * kLanes;
       f32xL e = exp_lanes(load_f32(at) - shift[v]);
