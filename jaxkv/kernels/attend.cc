@@ -15,8 +15,6 @@
 
 #include <cmath>
 #include <limits>
-#include <tuple>
-#include <utility>
 #include <vector>
 
 #include "common.h"

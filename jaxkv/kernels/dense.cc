@@ -201,20 +201,14 @@ void Chunk(const Rows& w, const float* x, float* y, int64_t R, int64_t I, int64_
   }
 }
 
-// n float32s of this thread's scratch, 64-byte aligned as XLA's buffers are (a vector load never
-// splits a cache line), kept from call to call rather than mapped anew for each (x for w_out
-// at 36 rows is 221 KB; no difference in time was measured either way).
-float* Scratch(int64_t n) {
-  struct Free {
-    void operator()(float* p) const { std::free(p); }
-  };
-  thread_local std::unique_ptr<float[], Free> buffer;
-  thread_local int64_t size = 0;
-  if (n > size) {
-    size = (n + 15) / 16 * 16;
-    buffer.reset(static_cast<float*>(std::aligned_alloc(64, size * sizeof(float))));
-  }
-  return buffer.get();
+struct Free {
+  void operator()(float* p) const { std::free(p); }
+};
+using Floats = std::unique_ptr<float[], Free>;
+
+// n float32s, 64-byte aligned as XLA's buffers are: a vector load never splits a cache line.
+Floats Aligned(int64_t n) {
+  return Floats(static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64)));
 }
 
 // The outer-product form, for many rows of x (a tree pass) and float32 weights: x comes
@@ -368,9 +362,9 @@ void Dense(ffi::ThreadPool pool, const Rows& w, const float* x, float* y, int64_
 constexpr int64_t kDotRest = 8;
 
 // x's first R rows [R, I] transposed into xT [I, Rp], the rows from R to Rp zero.
-const float* Transpose(const float* x, int64_t R, int64_t Rp, int64_t I) {
-  float* xT = Scratch(I * Rp);
-  std::fill(xT, xT + I * Rp, 0.0f);
+Floats Transpose(const float* x, int64_t R, int64_t Rp, int64_t I) {
+  Floats xT = Aligned(I * Rp);
+  std::fill(xT.get(), xT.get() + I * Rp, 0.0f);
   for (int64_t i = 0; i < I; ++i)  // R rows' lines of x stay in L1 while xT is written in order
     for (int64_t r = 0; r < R; ++r) xT[i * Rp + r] = x[r * I + i];
   return xT;
@@ -382,12 +376,12 @@ void DenseT(ffi::ThreadPool pool, const float* w, const float* x, float* y, int6
             int64_t I, int64_t O) {
   int64_t NV = std::max<int64_t>(1, R / kLanes + (R % kLanes > kDotRest));
   int64_t R_outer = std::min(R, NV * kLanes);
-  const float* xT = Transpose(x, R_outer, NV * kLanes, I);
+  Floats xT = Transpose(x, R_outer, NV * kLanes, I);
   auto run = [&](auto nv) {
     constexpr int V = decltype(nv)::value;
     int64_t tile = 24 / V;
     Parallel(pool, O, O * I * int64_t(sizeof(float)), tile, [&](int64_t begin, int64_t end) {
-      ChunkT<V>(w, xT, x, y, R_outer, R, I, O, begin, end);
+      ChunkT<V>(w, xT.get(), x, y, R_outer, R, I, O, begin, end);
     });
   };
   switch (NV) {
@@ -399,8 +393,8 @@ void DenseT(ffi::ThreadPool pool, const float* w, const float* x, float* y, int6
 }
 
 // x [R, I] in BF16Rows' order (InterleavedAt).
-const float* Interleave(const float* x, int64_t R, int64_t I) {
-  float* out = Scratch(R * I);
+Floats Interleave(const float* x, int64_t R, int64_t I) {
+  Floats out = Aligned(R * I);
   int64_t I_vec = I - I % (2 * kLanes);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = 0; i < I; ++i) out[r * I + InterleavedAt(i, I_vec)] = x[r * I + i];
@@ -439,7 +433,7 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       if (R >= 3 && R <= 6) {
         Dense(pool, BF16Widen{rows}, xp, yp, R, I, O);
       } else {
-        Dense(pool, BF16Rows{rows}, Interleave(xp, R, I), yp, R, I, O);
+        Dense(pool, BF16Rows{rows}, Interleave(xp, R, I).get(), yp, R, I, O);
       }
       return ffi::Error::Success();
     }
