@@ -77,6 +77,13 @@ ROW_COST = 0.07
 # 1.00x). A replay of the rule over generate's answers at batch 4 (n_draft 8 / 4): free-form
 # 0.97x / 0.98x -> 1.00x / 1.00x, grounded 1.87x / 2.05x -> 1.91x / 1.99x at half.
 HINDSIGHT = 0.5
+# Where each row's running mean starts: this many times what a round must expect of every live
+# row for a tree pass over the whole batch to pay (tree_cost - 1), so a row's first offer is
+# tried and one that comes to nothing takes it below (a failed draft halves it). It started at
+# 1 token, below the 1.85 a batch of 4 x 9 nodes needs: grounded batch 4 took 9 plain steps
+# before hindsight let it draft. From 1.5 x: passes per row 25, 35, 23, 23 -> 17, 27, 16, 15 (as
+# at batch 1), 1.72x -> 1.85x generate; free-form unchanged (1.00x batch 4, 1.05x batch 1).
+PRIOR = 1.5
 
 
 def tree_cost(B: int, N: int) -> float:
@@ -320,10 +327,11 @@ def _draw(logits_BNV, sampling, keys_B, step_BN):
 
 
 def _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id, *,
-           max_new_tokens: int, capacity: int, D: int, kv_dtype) -> _Rows:
+           max_new_tokens: int, capacity: int, M: int, D: int, kv_dtype) -> _Rows:
     """The rows after prefill (of the target, and of the draft model if any), with the target's
     first token drawn and pending."""
     B, T = tokens_BT.shape
+    prior = PRIOR * (tree_cost(B, 1 + M * D) - 1)
     start_B = jnp.zeros((B,), jnp.int32)
     logits_BV, cache = prefill_padded(params, init_cache(params, B, capacity, kv_dtype),
                                       tokens_BT, lengths_B, start_B)
@@ -337,7 +345,7 @@ def _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_i
     s = _Rows(cache, dcache, hist, lengths_B - 1, jnp.zeros((B,), bool), zeros,
               jnp.full((B, max_new_tokens + D + 1), pad_id, jnp.int32), jnp.zeros((B,), bool),
               jnp.full((B,), max_new_tokens, jnp.int32), zeros, zeros,
-              jnp.ones((B,), jnp.float32), jnp.arange(B), sampling, keys_B)
+              jnp.full((B,), prior, jnp.float32), jnp.arange(B), sampling, keys_B)
     return _commit(s, jnp.pad(first_B[:, None], ((0, 0), (0, D)), constant_values=-1), zeros,
                    eos_E, max_new_tokens).replace(passes=zeros)
 
@@ -419,7 +427,7 @@ def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, e
                       max_new_tokens: int, capacity: int, M: int, D: int, kv_dtype=None):
     count_trace("speculative")
     s = _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id,
-               max_new_tokens=max_new_tokens, capacity=capacity, D=D, kv_dtype=kv_dtype)
+               max_new_tokens=max_new_tokens, capacity=capacity, M=M, D=D, kv_dtype=kv_dtype)
     round_ = functools.partial(_round, params, dparams, eos_E, max_new_tokens=max_new_tokens,
                                capacity=capacity, M=M, D=D)
     sizes = batch_sizes(tokens_BT.shape[0])
