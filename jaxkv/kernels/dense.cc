@@ -219,6 +219,14 @@ Floats Aligned(int64_t n) {
 // of lanes per tile). SmolLM2's step products, 2-core Xeon, A/B in one run: 36 rows 55.3 ->
 // 48.8 ms, 48 rows 63.5 -> 52.7, 24 rows 44.9 -> 41.2, 16 rows even. bfloat16 and int8 weights,
 // converted a block at a time for it, ran 1.2-2.2x slower in this form than in the dot form.
+// The outer form computes while it streams w, and fetches ahead further, into L2 only (x's
+// rows and the tile's weights stay in L1). bench_kernels.py --layers 10, 2-core Xeon, one run
+// each: 16 KiB into L1 (as the dot form) 36 rows 25.8 ms, 32 rows 22.8; 64 KiB into L2 23.4 /
+// 21.5; 32 KiB 22.6 / 20.7 (a standalone loop: 17.3 -> 15.3 ms). SmolLM2's 4 x 9-node tree
+// pass, A/B twice: 67.0-71.7 -> 64.1-64.4 ms. The dot form fetching into L2 ran no faster
+// (1 row 18.5 -> 20.4 ms, 4 rows even).
+constexpr int64_t kAheadT = 32 << 10;
+
 template <int NV, int NO>
 void TileT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int64_t O,
            int64_t o0) {
@@ -230,10 +238,10 @@ void TileT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int6
     for (int v = 0; v < NV; ++v) acc[k][v] = f32xL{};
   const float* tile = w + o0 * I;  // NO contiguous rows
   constexpr int64_t kStep = NO * kLanes * sizeof(float);  // bytes of the tile per kLanes inputs
-  const char* ahead = reinterpret_cast<const char*>(tile) + kAhead * sizeof(float);
+  const char* ahead = reinterpret_cast<const char*>(tile) + kAheadT;
   int64_t i = 0;
   for (; i + kLanes <= I; i += kLanes, ahead += kStep) {
-    for (int64_t b = 0; b < kStep; b += 64) __builtin_prefetch(ahead + b);
+    for (int64_t b = 0; b < kStep; b += 64) __builtin_prefetch(ahead + b, 0, 1);  // to L2
 #pragma GCC unroll 16
     for (int j = 0; j < kLanes; ++j) {
       f32xL x_lanes[NV];
