@@ -36,9 +36,11 @@ from jaxkv import quant
 # 11-24x at 1 row, still 2.0x and 2.5x at 64.
 ROWS = {"float32": 64, "bfloat16": 64, "int8": 64}
 # From this many rows of x on, float32 weights go to the kernel's outer-product form instead
-# of its dot form (dense.cc, TileT: 36 rows 55.3 -> 48.8 ms, 16 rows even; again with the dot
-# form for the rows past whole vectors, --layers 10: 24 rows even, 28-36 rows 1.07-1.10x).
-OUTER_ROWS = 24
+# of its dot form (dense.cc, TileT). bench_kernels.py --layers 10, 2-core Xeon, with its stores
+# through L1 and its fetches into L2, outer / dot form: 16 rows 14.5-14.8 / 16.2-16.6 ms, 24
+# rows 16.2 / 22.0, 36 rows 19.6 / ~26; 12 rows 14.6 / 14.2-14.5, 9 rows 12.3-14.0 (padded) /
+# 12.3.
+OUTER_ROWS = 16
 # Up to this many queries per kv head (a call's tokens x the query heads sharing it) go to the
 # attention kernel (attend.cc): decode steps and trees; more (a prefill chunk) stay with XLA.
 ATTEND_ROWS = 64

@@ -259,10 +259,15 @@ void TileT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int6
     for (int k = 0; k < NO; ++k)
       for (int v = 0; v < NV; ++v)
         acc[k][v] += splat(tile[k * I + i]) * load_f32(xT + i * Rp + v * kLanes);
+  // Out through L1, row by row: element by element from the registers, the lane extractions
+  // took 9% of a tile (SmolLM2's products at 32 rows in a standalone loop: 18.4 -> 16.7 ms).
+  alignas(64) float out[NO][Rp];
+#pragma GCC unroll 24
   for (int k = 0; k < NO; ++k)
-    for (int v = 0; v < NV; ++v)
-      for (int64_t l = 0; l < kLanes && v * kLanes + l < R; ++l)
-        y[(v * kLanes + l) * O + o0 + k] = acc[k][v][l];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) std::memcpy(&out[k][v * kLanes], &acc[k][v], sizeof acc[k][v]);
+  for (int64_t r = 0; r < R; ++r)
+    for (int k = 0; k < NO; ++k) y[r * O + o0 + k] = out[k][r];
 }
 
 // Output rows [o_begin, o_end): rows r < R_outer of x in the outer-product form (xT [I, NV
@@ -364,10 +369,10 @@ void Dense(ffi::ThreadPool pool, const Rows& w, const float* x, float* y, int64_
 // Rows of x past the last whole vector of them that go to the dot form (Chunk, tile by tile
 // while the outer form has w's rows in cache); more are padded to a whole vector. x is
 // transposed here, not by XLA (its transposes took 5.7 ms of a 4 x 9-node tree pass of SmolLM2).
-// bench_kernels.py --layers 10, 2-core Xeon: 36 rows 26.5 -> 24.1-24.9 ms against padding to
-// 48; 40 rows 26.1 -> 26.6 (even); a padded vector costs 5-7 ms there, 4 rows of dot form 3.2.
-// The tree pass, all changes: 78.5 -> 67.3 ms.
-constexpr int64_t kDotRest = 8;
+// bench_kernels.py --layers 10, 2-core Xeon, with the outer form's stores through L1: 36 rows
+// 19.6 ms against 22.9 padded to 48; 24 rows (8 past a vector) 20.0 against 16.2 padded to 32;
+// 20 rows 17.1 against 15.9 padded; 40 rows 22.6 either way.
+constexpr int64_t kDotRest = 4;
 
 // x's first R rows [R, I] transposed into xT [I, Rp], the rows from R to Rp zero.
 Floats Transpose(const float* x, int64_t R, int64_t Rp, int64_t I) {
