@@ -62,7 +62,7 @@ MIN_MATCH = 2
 # on grounded batch 4 (7 x 1, one run: 1.67x against 1.68x). Since the outer form's stores go
 # through L1 (dense.cc), 4 x 9 nodes cost 2.08 steps and 4 x 5 1.79 (1 x 9 1.52): the model
 # overstates batch 4's trees, which keeps free-form text from drafting there; 0.05 drafted the
-# same rounds on grounded batch 4 and one more on free-form (one run each).
+# same rounds on grounded batch 4 and a few more on free-form text (one run each).
 # A tree of N nodes per row therefore costs a batch of B rows ROW_COST B (N - 1) / (1 + ROW_COST
 # (B - 1)) steps more than a plain step; a round drafts when the live rows' expected accepted
 # tokens add up to that many per live row. Each row's expectation is a running mean (halved
