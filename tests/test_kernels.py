@@ -18,9 +18,11 @@ def reference(x_RI, w_OI):
 
 
 @pytest.mark.parametrize("R,I,O", [(1, 64, 96), (3, 576, 200), (16, 96, 4096), (5, 37, 13),
-                                   (2, 77, 13), (36, 77, 29), (45, 40, 53)],
+                                   (2, 77, 13), (36, 77, 29), (45, 40, 53),
+                                   (75, 40, 29), (96, 33, 17)],
                          ids=["one_row", "several_rows", "sixteen_rows", "tails", "tails_two_rows",
-                              "outer_form_dot_rest", "outer_form_padded"])
+                              "outer_form_dot_rest", "outer_form_padded", "five_vectors_padded",
+                              "six_vectors"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_float_product_equals_float64(R, I, O, dtype):
     """Rows not a multiple of the 4-row tile, inputs not a multiple of 16 lanes, many chunks."""

@@ -33,8 +33,10 @@ from jaxkv import quant
 # scripts/bench_kernels.py, SmolLM2's step products, 2-core Xeon: float32 1.18x XLA at 1 row,
 # 1.85x at 4, 1.30x at 16, 1.13x at 36, 1.11x at 64 (the outer-product form from OUTER_ROWS
 # on; the dot form alone fell to 0.95x at 64); bfloat16 and int8 (XLA converts them first)
-# 11-24x at 1 row, still 2.0x and 2.5x at 64.
-ROWS = {"float32": 64, "bfloat16": 64, "int8": 64}
+# 11-24x at 1 row, still 2.0x and 2.5x at 64. With the outer form's stores through L1,
+# float32 at --layers 10: 1.31x at 64 rows, 1.13x at 72 (8 x 9 tree nodes), 1.18x at 80, 1.08x
+# at 96, the most it takes (dense.cc, kMaxVectorsT).
+ROWS = {"float32": 96, "bfloat16": 64, "int8": 64}
 # From this many rows of x on, float32 weights go to the kernel's outer-product form instead
 # of its dot form (dense.cc, TileT). bench_kernels.py --layers 10, 2-core Xeon, with its stores
 # through L1 and its fetches into L2, outer / dot form: 16 rows 14.5-14.8 / 16.2-16.6 ms, 24

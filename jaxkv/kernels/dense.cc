@@ -234,7 +234,7 @@ void TileT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int6
   f32xL acc[NO][NV];
 #pragma GCC unroll 24
   for (int k = 0; k < NO; ++k)
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int v = 0; v < NV; ++v) acc[k][v] = f32xL{};
   const float* tile = w + o0 * I;  // NO contiguous rows
   constexpr int64_t kStep = NO * kLanes * sizeof(float);  // bytes of the tile per kLanes inputs
@@ -245,12 +245,12 @@ void TileT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int6
 #pragma GCC unroll 16
     for (int j = 0; j < kLanes; ++j) {
       f32xL x_lanes[NV];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
       for (int v = 0; v < NV; ++v) x_lanes[v] = load_f32(xT + (i + j) * Rp + v * kLanes);
 #pragma GCC unroll 24
       for (int k = 0; k < NO; ++k) {
         f32xL w_k = splat(tile[k * I + i + j]);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
         for (int v = 0; v < NV; ++v) acc[k][v] += w_k * x_lanes[v];
       }
     }
@@ -264,7 +264,7 @@ void TileT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int6
   alignas(64) float out[NO][Rp];
 #pragma GCC unroll 24
   for (int k = 0; k < NO; ++k)
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int v = 0; v < NV; ++v) std::memcpy(&out[k][v * kLanes], &acc[k][v], sizeof acc[k][v]);
   for (int64_t r = 0; r < R; ++r)
     for (int k = 0; k < NO; ++k) y[r * O + o0 + k] = out[k][r];
@@ -374,6 +374,8 @@ void Dense(ffi::ThreadPool pool, const Rows& w, const float* x, float* y, int64_
 // 20 rows 17.1 against 15.9 padded; 40 rows 22.6 either way.
 constexpr int64_t kDotRest = 4;
 
+constexpr int64_t kMaxVectorsT = 6;  // whole vectors of rows the outer form takes (96 rows)
+
 // x's first R rows [R, I] transposed into xT [I, Rp], the rows from R to Rp zero.
 Floats Transpose(const float* x, int64_t R, int64_t Rp, int64_t I) {
   Floats xT = Aligned(I * Rp);
@@ -383,7 +385,7 @@ Floats Transpose(const float* x, int64_t R, int64_t Rp, int64_t I) {
   return xT;
 }
 
-// y [R, O] from float32 w and x [R, I], R <= 64: the outer-product form for NV whole vectors
+// y [R, O] from float32 w and x [R, I], R <= 96: the outer-product form for NV whole vectors
 // of rows, the dot form for the rest.
 void DenseT(ffi::ThreadPool pool, const float* w, const float* x, float* y, int64_t R,
             int64_t I, int64_t O) {
@@ -401,7 +403,9 @@ void DenseT(ffi::ThreadPool pool, const float* w, const float* x, float* y, int6
     case 1: run(std::integral_constant<int, 1>{}); break;
     case 2: run(std::integral_constant<int, 2>{}); break;
     case 3: run(std::integral_constant<int, 3>{}); break;
-    default: run(std::integral_constant<int, 4>{});
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 5: run(std::integral_constant<int, 5>{}); break;
+    default: run(std::integral_constant<int, 6>{});
   }
 }
 
@@ -455,13 +459,13 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   }
 }
 
-// x float32 [R, I] (R <= 64), w float32 [O, I], y [R, O].
+// x float32 [R, I] (R <= 96), w float32 [O, I], y [R, O].
 ffi::Error DenseTImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Result<ffi::Buffer<ffi::F32>> y) {
   int64_t R, I, O;
   if (auto err = CheckShapes(x, w, &R, &I, &O); err.failure()) return err;
-  if (w.element_type() != ffi::F32 || R > 4 * kLanes)
-    return ffi::Error::InvalidArgument("jaxkv dense_t: w must be float32, x at most 64 rows");
+  if (w.element_type() != ffi::F32 || R > kMaxVectorsT * kLanes)
+    return ffi::Error::InvalidArgument("jaxkv dense_t: w must be float32, x at most 96 rows");
   DenseT(pool, static_cast<const float*>(w.untyped_data()),
          static_cast<const float*>(x.untyped_data()), y->typed_data(), R, I, O);
   return ffi::Error::Success();
