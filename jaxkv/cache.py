@@ -5,7 +5,8 @@ Encoder-decoder models also keep the cross-attention keys and values here: they 
 encoder output alone, so they are computed once, when the cache is made, and only read after.
 
 An int8 cache (init_cache(..., dtype=jnp.int8)) holds each layer's keys and values as Int8KV:
-int8 numbers with one float32 scale per row, kv head and slot.
+int8 numbers with one float32 scale per row, kv head and slot. A bfloat16 or float16 cache holds
+them as HalfKV, their bits, so that a step stores only its own slots.
 """
 
 from typing import NamedTuple
@@ -40,6 +41,31 @@ class Int8KV:
         return self.q.dtype
 
 
+@struct.dataclass
+class HalfKV:
+    """One layer's keys or values in a 16-bit float dtype (bfloat16 or float16), held as their
+    bits (uint16). XLA:CPU computes a store into a 16-bit float array in float32, reading and
+    writing the whole layer and then copying it: SmolLM2 in bfloat16, one row, took 16.5 ms a
+    step with 2,048 slots against 11.5 ms with 160. A store of uint16 writes only its slots.
+    Readers see the numbers: shape, dtype and astype act as those of a dtype array.
+    """
+
+    bits: jax.Array  # [B, K, S, H] uint16
+    dtype: jnp.dtype = struct.field(pytree_node=False)
+
+    @property
+    def shape(self):
+        return self.bits.shape
+
+    def astype(self, dtype):
+        return jax.lax.bitcast_convert_type(self.bits, self.dtype).astype(dtype)
+
+
+def half_kv(x_XH, dtype) -> HalfKV:
+    """HalfKV of keys or values rounded to dtype (bfloat16 or float16)."""
+    return HalfKV(jax.lax.bitcast_convert_type(x_XH.astype(dtype), jnp.uint16), jnp.dtype(dtype))
+
+
 def quantize_kv(x_XH) -> Int8KV:
     """Int8KV of keys or values [..., H]: one scale per vector of H (per token and head)."""
     x_XH = x_XH.astype(jnp.float32)
@@ -63,11 +89,11 @@ class KVCache:
     ring slot holds, so the ring costs R slots however long the row grows.
     """
 
-    k: tuple  # L x [B, K, S, H] (or Int8KV); S = capacity in a global layer, R in a window layer
-    v: tuple  # L x [B, K, S, H] (or Int8KV)
+    k: tuple  # L x [B, K, S, H] (Int8KV, HalfKV); S = capacity in a global layer, R in a ring
+    v: tuple  # L x [B, K, S, H] (Int8KV, HalfKV)
     ring_pos: jax.Array | None = None  # [B, R] int32: position held by each ring slot, -1: none
-    cross_k: tuple | None = None  # L x [B, K, M, H] (or Int8KV); encoder-decoder models only
-    cross_v: tuple | None = None  # L x [B, K, M, H] (or Int8KV)
+    cross_k: tuple | None = None  # L x [B, K, M, H] (Int8KV, HalfKV); encoder-decoder only
+    cross_v: tuple | None = None  # L x [B, K, M, H] (Int8KV, HalfKV)
     cross_mask: jax.Array | None = None  # [B, M] bool; False at encoder padding
     capacity: int = struct.field(pytree_node=False, default=None)  # positions a row may hold
 
@@ -130,12 +156,16 @@ def zeros(shape, dtype):
     """An empty layer of keys or values [B, K, S, H] stored as dtype."""
     if dtype == jnp.int8:
         return Int8KV(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
+    if jnp.dtype(dtype).itemsize == 2:
+        return HalfKV(jnp.zeros(shape, jnp.uint16), jnp.dtype(dtype))
     return jnp.zeros(shape, dtype)
 
 
 def stored(x_XH, dtype):
     """Keys or values as a cache of dtype holds them."""
-    return quantize_kv(x_XH) if dtype == jnp.int8 else x_XH.astype(dtype)
+    if dtype == jnp.int8:
+        return quantize_kv(x_XH)
+    return half_kv(x_XH, dtype) if jnp.dtype(dtype).itemsize == 2 else x_XH.astype(dtype)
 
 
 class View(NamedTuple):
@@ -193,11 +223,15 @@ def store(cache: KVCache, kv, slot_BT) -> KVCache:
 
 def write(cache_BKSH, new_BTKH, slot_BT):
     """Stores new_BTKH[b, t] at slot slot_BT[b, t] of row b; slots outside [0, S) are dropped.
-    An Int8KV cache stores them quantized, and their scales [B, K, S] the same way."""
+    An Int8KV cache stores them quantized, and their scales [B, K, S] the same way; a HalfKV
+    cache their bits."""
     if isinstance(cache_BKSH, Int8KV):
         new = quantize_kv(new_BTKH)
         return Int8KV(write(cache_BKSH.q, new.q, slot_BT),
                       write(cache_BKSH.scale, new.scale, slot_BT))
+    if isinstance(cache_BKSH, HalfKV):
+        bits = half_kv(new_BTKH, cache_BKSH.dtype).bits
+        return cache_BKSH.replace(bits=write(cache_BKSH.bits, bits, slot_BT))
     rows_B1 = jnp.arange(cache_BKSH.shape[0])[:, None]
     # Advanced indices around a slice: the indexed view is [B, T, K, H], like new_BTKH.
     return cache_BKSH.at[rows_B1, :, slot_BT].set(new_BTKH.astype(cache_BKSH.dtype), mode="drop")

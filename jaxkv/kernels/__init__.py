@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import quant
+from jaxkv.cache import HalfKV
 
 # Up to this many rows of x go to the kernel, by weight format; more (a prefill) to XLA's GEMM.
 # scripts/bench_kernels.py, SmolLM2's step products, 2-core Xeon: float32 1.18x XLA at 1 row,
@@ -172,7 +173,8 @@ def _dense_int8_jvp(primals, tangents):  # int8 weights are constants: only x mo
 
 
 def attend_fits(q_BTNH, k_BKSH) -> bool:
-    """Whether attend takes these queries and cache keys (float32 or bfloat16; not Int8KV)."""
+    """Whether attend takes these queries and cache keys (float32 or bfloat16, an array or
+    HalfKV; not Int8KV)."""
     B, T, N, H = q_BTNH.shape
     dtype = getattr(k_BKSH, "dtype", None)
     return (dtype in (jnp.float32, jnp.bfloat16) and T * (N // k_BKSH.shape[1]) <= ATTEND_ROWS
@@ -191,6 +193,7 @@ def attend(xla, scale: float, softcap, q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH,
         result = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),
                   jax.ShapeDtypeStruct((B, T, N), jnp.float32))
         *keys, kv_len = rest
+        keys = [x.bits if isinstance(x, HalfKV) else x for x in keys]  # bfloat16's bits as they are
         return jax.ffi.ffi_call("jaxkv_attend", result, vmap_method="sequential")(
             q_BTNH.astype(jnp.float32), *keys, jnp.asarray(kv_len, jnp.int32),
             scale=np.float32(scale), softcap=np.float32(softcap or 0.0))

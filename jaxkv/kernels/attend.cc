@@ -285,14 +285,18 @@ void Task(const Shapes& d, const float* q, const KeySet& k, const KeySet& v, con
   }
 }
 
+// uint16 keys or values are bfloat16 numbers' bits, as a bfloat16 cache holds them (HalfKV).
+bool BF16Keys(const ffi::AnyBuffer& x) {
+  return x.element_type() == ffi::BF16 || x.element_type() == ffi::U16;
+}
+
 KeySet Keys(const ffi::AnyBuffer& x) {
   auto dims = x.dimensions();
-  return KeySet{x.untyped_data(), x.element_type() == ffi::BF16, dims[2], dims[3]};
+  return KeySet{x.untyped_data(), BF16Keys(x), dims[2], dims[3]};
 }
 
 bool FloatKeys(const ffi::AnyBuffer& x) {
-  return x.dimensions().size() == 4 &&
-         (x.element_type() == ffi::F32 || x.element_type() == ffi::BF16);
+  return x.dimensions().size() == 4 && (x.element_type() == ffi::F32 || BF16Keys(x));
 }
 
 ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
