@@ -32,12 +32,19 @@ from jaxkv.generate import generate_args, generate_loop
 
 
 def cpu_name() -> str:
+    """The CPU's model name, with its family and model numbers: a VM may name only the maker's
+    line ("AMD EPYC"), and the family tells its generation (AMD 25: Zen 3/4, 26: Zen 5)."""
     try:
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        return names[0] if names else platform.processor()
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
+                        if ":" in line)
     except OSError:
         return platform.processor()
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    name = info.get("model name", platform.processor())
+    if "cpu family" in info:
+        name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+    return name
 
 
 MODELS = {
