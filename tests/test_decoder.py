@@ -1,5 +1,7 @@
 """Cached decoding (prefill + decode_step) equals the plain uncached forward."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,6 +119,24 @@ def test_bfloat16_params_decode_close_to_float32(llama, batch):
                                               jnp.full((batch,), 7))
     assert logits_BV.dtype == jnp.float32
     np.testing.assert_allclose(logits_BV, ref_BV, atol=5e-2, rtol=0)
+
+
+def test_bfloat16_loop_converts_no_whole_table(llama):
+    """A loop of bfloat16 steps reads only the embedding rows it needs. XLA:CPU computes a
+    bfloat16 lookup in float32 and hoisted that conversion of the whole table out of the loop,
+    once per call (Gemma 3 270M: 671 MB and 160 ms before the first token)."""
+    half = jaxkv.cast(llama, jnp.bfloat16)
+
+    def run(params, cache):
+        def step(carry, _):
+            cache, token_B = carry
+            logits_BV, cache = jaxkv.decode_step(params, cache, token_B, jnp.array([3]))
+            return (cache, logits_BV.argmax(-1).astype(jnp.int32)), None
+        return jax.lax.scan(step, (cache, jnp.array([1], jnp.int32)), None, length=4)[0][1]
+
+    hlo = jax.jit(run).lower(half, jaxkv.init_cache(half, 1, 8)).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    assert not re.findall(r"= \w+\[97,64\]\{1,0\} (?:fusion|convert|copy)\(", entry)
 
 
 @pytest.mark.parametrize("bad, match", [
