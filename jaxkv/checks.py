@@ -228,8 +228,8 @@ def _layers(config, cache, fields, expected, name, layout):
 
 
 def _stored(x, name: str):
-    """A layer's keys or values: a float32 array, an Int8KV with a float32 scale per vector, or
-    a HalfKV (bfloat16 or float16 bits)."""
+    """A layer's keys or values: a float array, an Int8KV with a float32 scale per vector, or a
+    HalfKV (bfloat16 or float16 bits)."""
     from jaxkv.cache import HalfKV, Int8KV
 
     if isinstance(x, Int8KV):
