@@ -41,6 +41,9 @@ class Int8KV:
         return self.q.dtype
 
 
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # cache dtypes held as HalfKV
+
+
 @struct.dataclass
 class HalfKV:
     """One layer's keys or values in a 16-bit float dtype (bfloat16 or float16), held as their
@@ -156,7 +159,7 @@ def zeros(shape, dtype):
     """An empty layer of keys or values [B, K, S, H] stored as dtype."""
     if dtype == jnp.int8:
         return Int8KV(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
-    if jnp.dtype(dtype).itemsize == 2:
+    if dtype in HALF_DTYPES:
         return HalfKV(jnp.zeros(shape, jnp.uint16), jnp.dtype(dtype))
     return jnp.zeros(shape, dtype)
 
@@ -165,7 +168,7 @@ def stored(x_XH, dtype):
     """Keys or values as a cache of dtype holds them."""
     if dtype == jnp.int8:
         return quantize_kv(x_XH)
-    return half_kv(x_XH, dtype) if jnp.dtype(dtype).itemsize == 2 else x_XH.astype(dtype)
+    return half_kv(x_XH, dtype) if dtype in HALF_DTYPES else x_XH.astype(dtype)
 
 
 class View(NamedTuple):

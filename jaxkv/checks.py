@@ -230,7 +230,7 @@ def _layers(config, cache, fields, expected, name, layout):
 def _stored(x, name: str):
     """A layer's keys or values: a float array, an Int8KV with a float32 scale per vector, or a
     HalfKV (bfloat16 or float16 bits)."""
-    from jaxkv.cache import HalfKV, Int8KV
+    from jaxkv.cache import HALF_DTYPES, HalfKV, Int8KV
 
     if isinstance(x, Int8KV):
         if x.q.dtype != jnp.int8 or x.scale.dtype != jnp.float32:
@@ -240,7 +240,7 @@ def _stored(x, name: str):
             raise ValueError(f"{name}.scale has shape {tuple(x.scale.shape)}, expected "
                              f"{tuple(x.q.shape[:-1])} (one per token and kv head)")
     elif isinstance(x, HalfKV):
-        if x.bits.dtype != jnp.uint16 or x.dtype not in (jnp.bfloat16, jnp.float16):
+        if x.bits.dtype != jnp.uint16 or x.dtype not in HALF_DTYPES:
             raise TypeError(f"{name} is HalfKV of {x.dtype} with bits {x.bits.dtype}; expected "
                             "bfloat16 or float16 as uint16 (make it with jaxkv.init_cache)")
     elif not jnp.issubdtype(x.dtype, jnp.floating):
