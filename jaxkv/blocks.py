@@ -8,12 +8,20 @@ import jax.numpy as jnp
 
 from jaxkv import cache as cache_lib
 from jaxkv.attention import attend, attend_parts, attend_shared, merge_parts
-from jaxkv.layers import dense, mlp, norm, rope, rope_frequencies
+from jaxkv.layers import dense, mlp, norm, rope, rope_frequencies, rope_turns
 
 
-def project_qkv(config, b, h_BTD, pos_BT, local=False):
+def turns(config, pos_BT, local=False):
+    """What self_attention needs of positions pos_BT: RoPE's (cos, sin) (a window layer's when
+    local), made once for all the layers of a pass; None for other position kinds."""
+    if config.position != "rope":
+        return None
+    return rope_turns(pos_BT, rope_frequencies(config.head_dim, *config.rope(local)))
+
+
+def project_qkv(config, b, h_BTD, turns_BT):
     """Queries [B, T, N, H], keys and values [B, T, K, H] from the fused wqkv; then per-head
-    norms of queries and keys (config.qk_norm) and RoPE (a window layer's when local)."""
+    norms of queries and keys (config.qk_norm) and RoPE (turns_BT, from `turns`; None: none)."""
     B, T, _ = h_BTD.shape
     K, G, H = config.n_kv_heads, config.group_size, config.head_dim
     y_BTKJH = dense(h_BTD, b.wqkv, b.bqkv).reshape(B, T, K, G + 2, H)
@@ -22,10 +30,8 @@ def project_qkv(config, b, h_BTD, pos_BT, local=False):
     if config.qk_norm:
         q_BTNH = norm(q_BTNH, b.q_norm, "rmsnorm", config.norm_eps)
         k_BTKH = norm(k_BTKH, b.k_norm, "rmsnorm", config.norm_eps)
-    if config.position == "rope":
-        inv_freq_h = rope_frequencies(H, *config.rope(local))
-        q_BTNH = rope(q_BTNH, pos_BT, inv_freq_h)
-        k_BTKH = rope(k_BTKH, pos_BT, inv_freq_h)
+    if turns_BT is not None:
+        q_BTNH, k_BTKH = rope(q_BTNH, turns_BT), rope(k_BTKH, turns_BT)
     return q_BTNH, k_BTKH, v_BTKH
 
 
@@ -42,9 +48,10 @@ def residual(config, x_BTD, y_BTD, out_norm):
     return x_BTD + y_BTD
 
 
-def self_attention(config, b, x_BTD, pos_BT, mask_BTS=None, bias_BNTS=None, kv=None,
-                   prefix=None, local=False, write=True):
-    """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)); local: a window layer (its RoPE).
+def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv=None,
+                   prefix=None, write=True):
+    """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)); turns_BT: the tokens' positions as
+    RoPE needs them (`turns`: the layer's own, a window layer's when it has its own base).
 
     kv is None when the keys are this call's tokens (uncached: mask_BTS over them), or
     (k_BKSH, v_BKSH, view): this call's tokens read the cache as it was and each other, as the
@@ -55,7 +62,7 @@ def self_attention(config, b, x_BTD, pos_BT, mask_BTS=None, bias_BNTS=None, kv=N
     in place of the cache's, for the caller to store where it chooses.
     """
     h_BTD = norm(x_BTD, b.attn_norm, config.norm, config.norm_eps)
-    q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, h_BTD, pos_BT, local)
+    q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, h_BTD, turns_BT)
     k_BKTH, v_BKTH = jnp.swapaxes(k_BTKH, 1, 2), jnp.swapaxes(v_BTKH, 1, 2)
     scale, cap = config.attn_scale, config.attn_softcap
     if kv is None:

@@ -76,13 +76,15 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
     c = params.config
     local_BTS = c.window_layers and self_kv is None and window_mask(c, mask_BTS, pos_BT)
     new_k, new_v = [], []
+    turns = {local: blocks.turns(c, pos_BT, local)
+             for local in {layer in c.window_layers for layer in range(c.n_layers)}}
     for layer, b in enumerate(params.blocks):
         local = layer in c.window_layers
         kv = None if self_kv is None else (self_kv[0][layer], self_kv[1][layer],
                                            self_kv[3 if local else 2])
         shared = None if prefix is None else (prefix[0][layer], prefix[1][layer], *prefix[2:])
         x_BTD, (k_BKSH, v_BKSH) = blocks.self_attention(
-            c, b, x_BTD, pos_BT, local_BTS if local else mask_BTS, bias_BNTS, kv, shared, local,
+            c, b, x_BTD, turns[local], local_BTS if local else mask_BTS, bias_BNTS, kv, shared,
             write)
         if cross is not None:
             x_BTD = blocks.cross_attention(c, params.cross[layer], x_BTD, cross[0][layer],

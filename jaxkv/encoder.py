@@ -47,8 +47,9 @@ def _encode(params, inputs, lengths_B):
         bias_BNMM = relative_bias(enc.rel_bias, pos_BM[:1], pos_BM[:1], True,
                                   c.relative_max_distance)
 
+    turns_BM = blocks.turns(c, pos_BM)
     for b in enc.blocks:
-        x_BMD, _ = blocks.self_attention(c, b, x_BMD, pos_BM, mask_BMM, bias_BNMM)
+        x_BMD, _ = blocks.self_attention(c, b, x_BMD, turns_BM, mask_BMM, bias_BNMM)
         x_BMD = blocks.feed_forward(c, b, x_BMD)
     return norm(x_BMD, enc.final_norm, c.norm, c.norm_eps)
 

@@ -56,15 +56,28 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple = ()) -> np.nda
     return out_h
 
 
-def rope(x_BTNH, pos_BT, inv_freq_h):
-    """Rotary embedding, rotate-half layout (Hugging Face Llama): pairs (i, i + H/2), pair i
-    turned by pos * inv_freq_h[i] (see rope_frequencies)."""
-    H = x_BTNH.shape[-1]
+def rope_turns(pos_BT, inv_freq_h):
+    """RoPE at positions pos_BT as two [B, T, H] factors, (cos, cos) and (-sin, sin) by half,
+    made once for every layer of a pass (see rope).
+
+    The barrier keeps them one array each: left to fuse, XLA:CPU recomputed cos and sin at
+    every head of every layer's queries and keys (SmolLM2, a 4 x 256-token prefill: 59 of
+    710 ms)."""
     angle_BTh = pos_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_h, jnp.float32)
-    cos_BT1h, sin_BT1h = jnp.cos(angle_BTh)[:, :, None], jnp.sin(angle_BTh)[:, :, None]
+    cos_BTh, sin_BTh = jnp.cos(angle_BTh), jnp.sin(angle_BTh)
+    return jax.lax.optimization_barrier((jnp.concatenate([cos_BTh, cos_BTh], -1),
+                                         jnp.concatenate([-sin_BTh, sin_BTh], -1)))
+
+
+def rope(x_BTNH, turns):
+    """Rotary embedding, rotate-half layout (Hugging Face Llama): pairs (i, i + H/2), pair i
+    turned by pos * inv_freq_h[i] (turns = rope_turns(pos_BT, inv_freq_h)): x cos + x' sin,
+    x' the halves of x swapped (a reversal, where a concatenation of two halves made XLA:CPU
+    choose between its operands at every element)."""
+    *lead, H = x_BTNH.shape
     x = x_BTNH.astype(jnp.float32)
-    x1, x2 = x[..., : H // 2], x[..., H // 2:]
-    out = jnp.concatenate([x1 * cos_BT1h - x2 * sin_BT1h, x2 * cos_BT1h + x1 * sin_BT1h], -1)
+    swapped = x.reshape(*lead, 2, H // 2)[..., ::-1, :].reshape(*lead, H)
+    out = x * turns[0][:, :, None] + swapped * turns[1][:, :, None]
     return out.astype(x_BTNH.dtype)
 
 
