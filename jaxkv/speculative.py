@@ -87,6 +87,21 @@ HINDSIGHT = 0.5
 # before hindsight let it draft. From 1.5 x: passes per row 25, 35, 23, 23 -> 17, 27, 16, 15 (as
 # at batch 1), 1.72x -> 1.85x generate; free-form unchanged (1.00x batch 4, 1.05x batch 1).
 PRIOR = 1.5
+# n_draft when not given (lookup): chains long enough for about this many tree nodes a pass over
+# the whole batch, at most MAX_NODES a row. The CPU product kernels take a pass's rows 16 at a
+# time (a vector of rows in their outer-product form); a pass over whole vectors costs least per
+# node. scripts/bench_kernels.py, SmolLM2's products: 32 rows 21.2 ms, 36 rows 26.5 (AMD Zen 5),
+# 39.0 and 45.1 ms (Intel Xeon). Grounded prompts of scripts/bench_speculative.py, Zen 5, ratios
+# to generate in one process: batch 1 n_draft 15 3.23x, 8 3.16x, 31 2.79x (another run: 15
+# 3.93x, 8 3.16x); batch 2 15 2.40x, 7 2.12x; batch 4 7 2.00x, 15 1.99x, 8 1.91x. Free-form
+# prompts, which rarely draft, moved by 3% at most.
+TREE_NODES = 32
+MAX_NODES = 16
+
+
+def default_n_draft(B: int, M: int) -> int:
+    """n_draft for a lookup tree of M chains at batch B: 15 at batch 1 and 2, 7 at 4, 3 at 8."""
+    return max(1, (min(MAX_NODES, TREE_NODES // B) - 1) // M)
 
 
 def tree_cost(B: int, N: int) -> float:
@@ -447,30 +462,32 @@ def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, e
     return tokens_BJ, length, Stats(passes, accepted)
 
 
-def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup", n_draft=8,
+def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup", n_draft=None,
                          n_branches=1, temperature=0.0, top_k=None, top_p=None, min_p=None,
                          key=None, eos_id=None, pad_id=None, max_len=None, kv_dtype=None):
     """generate's result, in fewer passes of the target: (tokens [B, max_new_tokens], lengths
     [B], Stats).
 
     draft: "lookup" (n-gram matches of the row's latest tokens in its prompt and answer) or a
-    draft model's Params with the target's vocabulary. n_draft: tokens per drafted chain (D);
-    n_branches: chains per round (M). Each pass scores 1 + M D tokens and commits 1 to D + 1 of
-    them per row; rows draft only while it pays (ROW_COST). Defaults chosen with
-    scripts/bench_speculative.py (SmolLM2 fp32, 2-core Xeon): 8 x 1 was fastest at batch 1
-    (3.10x generate on prompts with text to copy, 4 x 1 2.58x) and within 4% of 4 x 1
-    elsewhere; a second branch cost more than it gained. Other options as generate's; tokens
-    and lengths equal generate's (greedy, and sampled with the same key).
+    draft model's Params with the target's vocabulary. n_draft: tokens per drafted chain (D;
+    default: for lookup, about 32 tree nodes a pass over the batch, see default_n_draft; 8 for a
+    draft model); n_branches: chains per round (M). Each pass scores 1 + M D tokens and commits
+    1 to D + 1 of them per row; rows draft only while it pays (ROW_COST). Defaults chosen with
+    scripts/bench_speculative.py (SmolLM2 fp32): a second branch cost more than it gained (2-core
+    Xeon). Other options as generate's; tokens and lengths equal generate's (greedy, and
+    sampled with the same key).
     """
     c = params.config
     checks.linear_decoder(c, "speculative_generate")
     dparams = _draft_params(params, draft)
-    D = checks.int_arg(n_draft, "n_draft")
     M = checks.int_arg(n_branches, "n_branches")
     if dparams is not None and M > c.vocab_size:
         raise ValueError(f"n_branches={M} is more than the vocabulary ({c.vocab_size} tokens)")
     tokens_BT, lengths_B = prepare_prompts(c, prompts)
     B, T = tokens_BT.shape
+    if n_draft is None:
+        n_draft = 8 if dparams is not None else default_n_draft(B, M)
+    D = checks.int_arg(n_draft, "n_draft")
     max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
     # The tree of the last round may reach M D + 1 slots past the last answer token.
     need = capacity_for(c, T, max_new_tokens, lengths_B, None if max_len is None else

@@ -229,3 +229,11 @@ def test_bad_arguments_are_clear_errors(llama):
                                  jax.random.key(0))
     with pytest.raises(ValueError, match="sliding-window"):
         jaxkv.speculative_generate(windowed, prompts, 4)
+
+
+def test_default_n_draft_fills_about_32_tree_nodes():
+    """Lookup trees of about 32 nodes a pass (whole 16-row vectors of the CPU kernels), at most
+    16 a row; at least one drafted token."""
+    n_draft = [speculative.default_n_draft(B, 1) for B in (1, 2, 4, 8, 16, 64)]
+    assert n_draft == [15, 15, 7, 3, 1, 1]
+    assert speculative.default_n_draft(1, 2) == 7 and speculative.default_n_draft(4, 3) == 2
