@@ -4,11 +4,12 @@ SmolLM2-135M-Instruct in float32 (the shipped GGUF), greedy, chat-formatted prom
 kinds: input-grounded (the model is given a tinyshakespeare passage and asked to copy it, or to
 copy it with a light edit) and free-form (questions with no text to copy). Each kind runs at
 batch 1 (every prompt alone) and batch 4 (the prompts together); for each, generate and
-speculative_generate with n-gram lookup at several (n_draft, n_branches) trees, and with the
+speculative_generate with n-gram lookup at several (n_draft, n_branches) trees (its default
+n_draft among them), and with the
 int8-quantized SmolLM2 as a draft model. Every speculative answer is checked equal to
 generate's. Each configuration is compiled before it is timed.
 
-  python scripts/bench_speculative.py                       # the full table (~20 min)
+  python scripts/bench_speculative.py                       # the full table (~10 min)
   python scripts/bench_speculative.py --new-tokens 8 --prompts 1 --trees 2x1 --batches 1
   python scripts/bench_speculative.py --costs               # only what a tree pass costs
 
@@ -83,7 +84,9 @@ def run_case(params, draft, prompts, batch, new_tokens, trees, repeats, eos):
         reference.append((np.asarray(out), np.asarray(lengths)))
         tokens += int(np.sum(lengths))
     results = [dict(engine="generate", seconds=gen_s, tokens=tokens, tokens_per_pass=1.0)]
-    configs = [("lookup", "lookup", d, m) for d, m in trees]
+    # n_draft None: speculative_generate's default for this batch (recorded as the number)
+    configs = [("lookup" if d else "lookup default", "lookup",
+                d or speculative.default_n_draft(batch, m), m) for d, m in trees]
     if draft is not None:
         configs.append(("int8 draft", draft, 4, 1))
     for name, drafter, D, M in configs:
@@ -128,8 +131,9 @@ def main():
     ap.add_argument("--prompts", type=int, default=4, help="prompts of each kind (at most 4)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--trees", nargs="+", default=["4x1", "4x2", "8x1"],
-                    help="lookup trees, n_draft x n_branches")
+    ap.add_argument("--trees", nargs="+", default=["4x1", "8x1", "defaultx1"],
+                    help="lookup trees, n_draft x n_branches; n_draft 'default': "
+                    "speculative_generate's for the batch (15 at batch 1, 7 at 4)")
     ap.add_argument("--no-draft", action="store_true", help="skip the int8 draft model")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs (best kept) after one "
                     "warm-up run")
@@ -151,7 +155,8 @@ def main():
         return
     template = jaxkv.chat_template(path)
     draft = None if args.no_draft else jaxkv.quantize(params)
-    trees = [tuple(int(x) for x in t.split("x")) for t in args.trees]
+    trees = [(None if d == "default" else int(d), int(m))
+             for d, m in (t.split("x") for t in args.trees)]
     rows = []
     for kind in ("grounded", "free"):
         prompts = prompts_of(kind, tokenizer, template, args.prompts)

@@ -22,7 +22,7 @@ RUNS = {
     "bench_quality": ["--tokens", "64", "--window", "32", "--formats", "fp32", "int8-kv",
                       "llama.cpp-Q8_0"],
     "bench_speculative": ["--prompts", "1", "--batches", "1", "--new-tokens", "4", "--trees",
-                          "2x1", "--no-draft"],
+                          "2x1", "defaultx1", "--no-draft"],
     "bench_kernels": ["--dtypes", "int8", "--rows", "1", "2", "--repeats", "1", "--layers", "1"],
     "bench_checks": ["--models", "tiny", "--batches", "1", "--new-tokens", "4", "--rounds", "1"],
 }
