@@ -329,6 +329,8 @@ def bucket_len(n: int) -> int:
 def pad_to_bucket(tokens_BT, pad_id: int = 0):
     T = tokens_BT.shape[1]
     return jnp.pad(tokens_BT, ((0, 0), (0, bucket_len(T) - T)), constant_values=pad_id)
+
+
 def encoder_args(config, encoder_inputs, encoder_lengths, batch_size=None):
     """Validated (inputs, lengths_B or None) for an encoder: tokens [B, M] or audio features
     [B, n_mels, frames]; batch_size, when given, must match B."""

@@ -129,6 +129,8 @@ def pass_costs(params, batches, repeats, nodes, capacity=400, pos=250):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4, help="prompts of each kind (at most 4)")
+    ap.add_argument("--kinds", nargs="+", default=["grounded", "free"],
+                    choices=["grounded", "free"], help="prompt kinds")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--trees", nargs="+", default=["4x1", "8x1", "defaultx1"],
@@ -158,7 +160,7 @@ def main():
     trees = [(None if d == "default" else int(d), int(m))
              for d, m in (t.split("x") for t in args.trees)]
     rows = []
-    for kind in ("grounded", "free"):
+    for kind in args.kinds:
         prompts = prompts_of(kind, tokenizer, template, args.prompts)
         for batch in args.batches:
             for r in run_case(params, draft, prompts, batch, args.new_tokens, trees, args.repeats,
