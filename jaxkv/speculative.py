@@ -100,7 +100,8 @@ MAX_NODES = 16
 
 
 def default_n_draft(B: int, M: int) -> int:
-    """n_draft for a lookup tree of M chains at batch B: 15 at batch 1 and 2, 7 at 4, 3 at 8."""
+    """n_draft for a lookup tree of M chains at batch B: 15 at batch 1 and 2, 7 at 4, 3 at 8.
+    The loop takes it anew at each batch size it runs at (batch_sizes)."""
     return max(1, (min(MAX_NODES, TREE_NODES // B) - 1) // M)
 
 
@@ -345,11 +346,12 @@ def _draw(logits_BNV, sampling, keys_B, step_BN):
 
 
 def _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id, *,
-           max_new_tokens: int, capacity: int, M: int, D: int, kv_dtype) -> _Rows:
+           max_new_tokens: int, capacity: int, M: int, Ds: tuple, kv_dtype) -> _Rows:
     """The rows after prefill (of the target, and of the draft model if any), with the target's
-    first token drawn and pending."""
+    first token drawn and pending; Ds: n_draft at each batch size."""
+    D = max(Ds)
     B, T = tokens_BT.shape
-    prior = PRIOR * (tree_cost(B, 1 + M * D) - 1)
+    prior = PRIOR * (tree_cost(B, 1 + M * Ds[0]) - 1)
     start_B = jnp.zeros((B,), jnp.int32)
     logits_BV, cache = prefill_padded(params, init_cache(params, B, capacity, kv_dtype),
                                       tokens_BT, lengths_B, start_B)
@@ -439,20 +441,21 @@ def _live_first(s: _Rows, size: int) -> _Rows:
     return jax.tree.map(lambda x: x[take_R], s)
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "M", "D",
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "M", "Ds",
                                              "kv_dtype"))
 def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id, *,
-                      max_new_tokens: int, capacity: int, M: int, D: int, kv_dtype=None):
+                      max_new_tokens: int, capacity: int, M: int, Ds: tuple, kv_dtype=None):
+    """Ds: n_draft at each of batch_sizes(B)."""
     count_trace("speculative")
     s = _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id,
-               max_new_tokens=max_new_tokens, capacity=capacity, M=M, D=D, kv_dtype=kv_dtype)
-    round_ = functools.partial(_round, params, dparams, eos_E, max_new_tokens=max_new_tokens,
-                               capacity=capacity, M=M, D=D)
+               max_new_tokens=max_new_tokens, capacity=capacity, M=M, Ds=Ds, kv_dtype=kv_dtype)
     sizes = batch_sizes(tokens_BT.shape[0])
     out, length, passes, accepted = s.out, s.length, s.passes, s.accepted
-    for size, smaller in zip(sizes, sizes[1:] + (0,)):
+    for size, smaller, D in zip(sizes, sizes[1:] + (0,), Ds):
         if size < sizes[0]:
             s = _live_first(s, size)
+        round_ = functools.partial(_round, params, dparams, eos_E, max_new_tokens=max_new_tokens,
+                                   capacity=capacity, M=M, D=D)
         s = jax.lax.while_loop(lambda s, smaller=smaller: jnp.sum(~s.done) > smaller, round_, s)
         out, length, passes, accepted = (
             x.at[s.row].set(y) for x, y in zip((out, length, passes, accepted),
@@ -470,9 +473,10 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
 
     draft: "lookup" (n-gram matches of the row's latest tokens in its prompt and answer) or a
     draft model's Params with the target's vocabulary. n_draft: tokens per drafted chain (D;
-    default: for lookup, about 32 tree nodes a pass over the batch, see default_n_draft; 8 for a
-    draft model); n_branches: chains per round (M). Each pass scores 1 + M D tokens and commits
-    1 to D + 1 of them per row; rows draft only while it pays (ROW_COST). Defaults chosen with
+    default: for lookup, about 32 tree nodes a pass over the batch, see default_n_draft, taken
+    anew as the batch shrinks; 8 for a draft model); n_branches: chains per round (M). Each
+    pass scores 1 + M D tokens and commits 1 to D + 1 of them per row; rows draft only while
+    it pays (ROW_COST). Defaults chosen with
     scripts/bench_speculative.py (SmolLM2 fp32): a second branch cost more than it gained (2-core
     Xeon). Other options as generate's; tokens and lengths equal generate's (greedy, and
     sampled with the same key).
@@ -485,9 +489,12 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
         raise ValueError(f"n_branches={M} is more than the vocabulary ({c.vocab_size} tokens)")
     tokens_BT, lengths_B = prepare_prompts(c, prompts)
     B, T = tokens_BT.shape
-    if n_draft is None:
-        n_draft = 8 if dparams is not None else default_n_draft(B, M)
-    D = checks.int_arg(n_draft, "n_draft")
+    sizes = batch_sizes(B)
+    if n_draft is None and dparams is None:  # lookup: each batch size its own
+        Ds = tuple(default_n_draft(size, M) for size in sizes)
+    else:
+        Ds = (checks.int_arg(8 if n_draft is None else n_draft, "n_draft"),) * len(sizes)
+    D = max(Ds)
     max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
     # The tree of the last round may reach M D + 1 slots past the last answer token.
     need = capacity_for(c, T, max_new_tokens, lengths_B, None if max_len is None else
@@ -502,7 +509,7 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
     kv_dtype = None if kv_dtype is None else checks.kv_dtype(kv_dtype, "kv_dtype")
     return _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, row_keys(key, B),
                              eos_E, jnp.int32(pad_value(pad_id, eos_id, eos_E)),
-                             max_new_tokens=max_new_tokens, capacity=capacity, M=M, D=D,
+                             max_new_tokens=max_new_tokens, capacity=capacity, M=M, Ds=Ds,
                              kv_dtype=kv_dtype)
 
 

@@ -84,21 +84,22 @@ def run_case(params, draft, prompts, batch, new_tokens, trees, repeats, eos):
         reference.append((np.asarray(out), np.asarray(lengths)))
         tokens += int(np.sum(lengths))
     results = [dict(engine="generate", seconds=gen_s, tokens=tokens, tokens_per_pass=1.0)]
-    # n_draft None: speculative_generate's default for this batch (recorded as the number)
-    configs = [("lookup" if d else "lookup default", "lookup",
-                d or speculative.default_n_draft(batch, m), m) for d, m in trees]
+    # n_draft None: speculative_generate's default, recorded as its number at this batch size
+    # (the loop takes it anew as the batch shrinks)
+    configs = [("lookup" if d else "lookup default", "lookup", d, m) for d, m in trees]
     if draft is not None:
         configs.append(("int8 draft", draft, 4, 1))
-    for name, drafter, D, M in configs:
+    for name, drafter, n_draft, M in configs:
         spec_s, passes, committed, equal = 0.0, 0, 0, True
         for rows, (want, want_len) in zip(batches, reference):
             s, (out, lengths, stats) = timed(lambda: jaxkv.speculative_generate(
-                params, rows, new_tokens, draft=drafter, n_draft=D, n_branches=M, eos_id=eos),
-                repeats)
+                params, rows, new_tokens, draft=drafter, n_draft=n_draft, n_branches=M,
+                eos_id=eos), repeats)
             spec_s += s
             equal &= bool(np.array_equal(out, want) and np.array_equal(lengths, want_len))
             passes += int(np.sum(stats.passes))
             committed += int(np.sum(stats.passes + stats.accepted))
+        D = n_draft or speculative.default_n_draft(batch, M)
         results.append(dict(engine=name, n_draft=D, n_branches=M, seconds=spec_s,
                             tokens=tokens, tokens_per_pass=committed / max(passes, 1),
                             equal_to_generate=equal, speedup=gen_s / spec_s))

@@ -64,7 +64,7 @@ def test_draft_rounds_copy_no_cache_layer(llama, draft_model, B):
     loop = speculative._speculative_loop.lower(
         llama, draft_model, jnp.ones((B, 8), jnp.int32), jnp.full((B,), 8), sampling,
         row_keys(None, B), jnp.array([0]), jnp.int32(0), max_new_tokens=8,
-        capacity=24, M=1, D=4)
+        capacity=24, M=1, Ds=(4,) * len(speculative.batch_sizes(B)))
     layers = {f"[{B},{p.config.n_kv_heads},24,{p.config.head_dim}]" for p in (llama, draft_model)}
     copies = [line for line in loop.compile().as_text().splitlines()
               if " copy(" in line and any(layer in line for layer in layers)
@@ -237,3 +237,17 @@ def test_default_n_draft_fills_about_32_tree_nodes():
     n_draft = [speculative.default_n_draft(B, 1) for B in (1, 2, 4, 8, 16, 64)]
     assert n_draft == [15, 15, 7, 3, 1, 1]
     assert speculative.default_n_draft(1, 2) == 7 and speculative.default_n_draft(4, 3) == 2
+
+
+def test_each_batch_size_takes_its_own_default_n_draft(llama, monkeypatch):
+    """As rows finish the batch shrinks (4, 2, 1) and a default lookup tree grows with it (7,
+    15, 15 tokens a chain); a given n_draft holds at every size."""
+    seen, real = [], speculative._round
+    monkeypatch.setattr(speculative, "_round", lambda *a, **kw: seen.append(
+        (a[-1].pos.shape[0], kw["D"])) or real(*a, **kw))
+    prompts = ragged_prompts(5) + [[4, 5, 6]]
+    for n_draft, want in [(None, [(4, 7), (2, 15), (1, 15)]), (3, [(4, 3), (2, 3), (1, 3)])]:
+        seen.clear()
+        tokens, _, _ = jaxkv.speculative_generate(llama, prompts, 7, n_draft=n_draft)
+        assert seen == want
+        np.testing.assert_array_equal(tokens, jaxkv.generate(llama, prompts, 7)[0])
