@@ -476,10 +476,9 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
     default: for lookup, about 32 tree nodes a pass over the batch, see default_n_draft, taken
     anew as the batch shrinks; 8 for a draft model); n_branches: chains per round (M). Each
     pass scores 1 + M D tokens and commits 1 to D + 1 of them per row; rows draft only while
-    it pays (ROW_COST). Defaults chosen with
-    scripts/bench_speculative.py (SmolLM2 fp32): a second branch cost more than it gained (2-core
-    Xeon). Other options as generate's; tokens and lengths equal generate's (greedy, and
-    sampled with the same key).
+    it pays (ROW_COST). Defaults chosen with scripts/bench_speculative.py (SmolLM2 fp32): a
+    second branch cost more than it gained (2-core Xeon). Other options as generate's; tokens
+    and lengths equal generate's (greedy, and sampled with the same key).
     """
     c = params.config
     checks.linear_decoder(c, "speculative_generate")
