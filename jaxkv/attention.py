@@ -30,8 +30,9 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
     wider than a block). own (optional): a second key set (k_BKUH, v_BKUH, mask_BTU, bias_BNTU
     or None), e.g. the call's own tokens, attended together with the first. A query with no
     visible key gets output 0 and lse -inf, never NaN. softcap (optional): scaled scores s
-    become softcap * tanh(s / softcap). On the CPU, a few queries with own keys and no bias (a
-    decode step, a tree pass) over a float32 or bfloat16 cache go to jaxkv.kernels.attend.
+    become softcap * tanh(s / softcap). On the CPU, queries with own keys and no bias (a decode
+    step, a tree pass, a prefill chunk) over a float32 or bfloat16 cache go to
+    jaxkv.kernels.attend.
     """
     if (own is not None and bias_BNTS is None and own[3] is None
             and kernels.attend_fits(q_BTNH, k_BKSH)):

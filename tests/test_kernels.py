@@ -126,10 +126,10 @@ def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
 
 # ---- attention ----------------------------------------------------------------------------
 
-def attention_case(H, dtype, key=0, T=3, N=4):
-    """Queries of 2 rows x T tokens x N heads over 2 kv heads, a cache of 37 slots (some rows
+def attention_case(H, dtype, key=0, T=3, N=4, S=37):
+    """Queries of 2 rows x T tokens x N heads over 2 kv heads, a cache of S slots (some rows
     read none of them) and 3 own keys."""
-    B, K, S, U = 2, 2, 37, 3
+    B, K, U = 2, 2, 3
     k = jax.random.split(jax.random.key(key), 7)
     q_BTNH = jax.random.normal(k[0], (B, T, N, H))
     kv = [jax.random.normal(k[i], shape).astype(dtype) for i, shape in
@@ -139,20 +139,20 @@ def attention_case(H, dtype, key=0, T=3, N=4):
     return q_BTNH, kv, mask_BTS, mask_BTU
 
 
-@pytest.mark.parametrize("H,dtype,softcap,kv_len,T,N", [(16, jnp.float32, None, None, 3, 4),
-                                                        (20, jnp.float32, 5.0, 30, 3, 4),
-                                                        (32, jnp.bfloat16, None, 21, 3, 4),
-                                                        (20, jnp.float32, None, 30, 9, 6),
-                                                        (16, jnp.bfloat16, 5.0, None, 11, 8),
-                                                        (24, jnp.float32, None, None, 16, 8)],
-                         ids=["float32", "tail_softcap_kv_len", "bfloat16", "27_queries",
-                              "44_queries", "64_queries"])
-def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N):
+@pytest.mark.parametrize("H,dtype,softcap,kv_len,T,N,S", [
+    (16, jnp.float32, None, None, 3, 4, 37), (20, jnp.float32, 5.0, 30, 3, 4, 37),
+    (32, jnp.bfloat16, None, 21, 3, 4, 37), (20, jnp.float32, None, 30, 9, 6, 37),
+    (16, jnp.bfloat16, 5.0, None, 11, 8, 37), (24, jnp.float32, None, None, 16, 8, 37),
+    (24, jnp.float32, None, None, 50, 6, 777), (16, jnp.bfloat16, 5.0, None, 70, 2, 300)],
+    ids=["float32", "tail_softcap_kv_len", "bfloat16", "27_queries", "44_queries", "64_queries",
+         "3_tiles_3_blocks", "2_tiles_2_blocks_bfloat16"])
+def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N, S):
     """Output and log-sum-exp against XLA's attention (a query that sees no key: 0 and -inf),
     with head sizes that are not a whole vector, soft-capping, a kv_len bound, bfloat16 keys,
-    and 6 to 64 queries per kv head (1 to 4 vectors of them); its derivative is XLA's."""
+    6 to 64 queries per kv head (1 to 4 vectors of them), and more queries than a tile holds
+    (64: a prefill chunk) over more keys than a block (256) holds; its derivative is XLA's."""
     from jaxkv import attention
-    q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, dtype, T=T, N=N)
+    q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, dtype, T=T, N=N, S=S)
     if kv_len is not None:
         mask_BTS = mask_BTS & (jnp.arange(mask_BTS.shape[2]) < kv_len)
     own = (k_own, v_own, mask_BTU, None)

@@ -44,8 +44,9 @@ ROWS = {"float32": 96, "bfloat16": 64, "int8": 64}
 # rows 16.2 / 22.0, 36 rows 19.6 / ~26; 12 rows 14.6 / 14.2-14.5, 9 rows 12.3-14.0 (padded) /
 # 12.3.
 OUTER_ROWS = 16
-# Up to this many queries per kv head (a call's tokens x the query heads sharing it) go to the
-# attention kernel (attend.cc): decode steps and trees; more (a prefill chunk) stay with XLA.
+# Models with up to this many query heads per kv head go to the attention kernel (attend.cc),
+# for any number of tokens: it takes a call's queries in tiles of at most this many (a tile's
+# tokens x the query heads sharing a kv head).
 ATTEND_ROWS = 64
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("dense.cc", "attend.cc"))
 HEADER = Path(__file__).with_name("common.h")
@@ -174,10 +175,9 @@ def _dense_int8_jvp(primals, tangents):  # int8 weights are constants: only x mo
 
 def attend_fits(q_BTNH, k_BKSH) -> bool:
     """Whether attend takes these queries and cache keys (float32 or bfloat16, an array or
-    HalfKV; not Int8KV)."""
-    B, T, N, H = q_BTNH.shape
-    dtype = getattr(k_BKSH, "dtype", None)
-    return (dtype in (jnp.float32, jnp.bfloat16) and T * (N // k_BKSH.shape[1]) <= ATTEND_ROWS
+    HalfKV; not Int8KV): any number of tokens, at most ATTEND_ROWS query heads per kv head."""
+    G = q_BTNH.shape[2] // k_BKSH.shape[1]
+    return (getattr(k_BKSH, "dtype", None) in (jnp.float32, jnp.bfloat16) and G <= ATTEND_ROWS
             and enabled())
 
 

@@ -1,17 +1,21 @@
-// Attention of a few queries per row over a cache (decode steps, tree passes) on the CPU:
-// jaxkv/attention.py calls it where XLA:CPU's batched products of a few rows run far below the
-// machine's speed (a 4 x 9-node tree pass of SmolLM2: [27 x 64] x [64 x 400] per kv head at
-// ~55 GFLOP/s).
+// Attention of a call's queries over a cache and their own keys on the CPU (decode steps, tree
+// passes, prefill chunks): jaxkv/attention.py calls it where XLA:CPU's batched products run far
+// below the machine's speed (a 4 x 9-node tree pass of SmolLM2: [27 x 64] x [64 x 400] per kv
+// head at ~55 GFLOP/s; a 256-token prefill chunk's ~100 GFLOP/s on a 2-core Zen 4).
 //
 // q [B, T, N, H] float32; the cache's keys and values k, v [B, K, S, H] (float32 or bfloat16),
 // read where mask [B, T, S] allows and below kv_len (int32 scalar); the call's own keys and
 // values [B, K, U, H] where own_mask [B, T, U] allows; one softmax over both. Scores are
 // scaled by `scale`, then soft-capped (cap tanh(s / cap)) where softcap > 0. Out: the output
 // [B, T, N, H] and its log-sum-exp [B, T, N] (output 0 and -inf where a query sees no key).
-// Each (row, kv head) is a task: its G = N / K query heads x T tokens (at most 64) score every
-// key the row reads, in float32, as XLA's path does (see Lanes for how the queries are laid out).
+// Each (row, kv head, tile of tokens) is a task: the tile's tokens x the G = N / K query heads
+// (at most 64 queries; see Lanes for their layout) score the keys the tile reads, in float32 as
+// XLA's path does, with a running softmax over blocks of kBlock keys, so a tile early in a
+// prefill chunk stops where its tokens' keys end.
 // A 4 x 9-node tree pass of SmolLM2 at position 250, same process: 404 -> 139-170 us a call (30
 // calls a pass, 78.5 -> 73.2 ms the pass), a one-row decode step even (25-29 us against 28).
+// A 256-token chunk over 4,096 cached keys (SmolLM2's heads), 2-core Zen 4: 16.6-19.7 ms
+// against XLA's 25.6-28.0 (~150 vs ~95 GFLOP/s).
 
 #include <cmath>
 #include <limits>
@@ -61,6 +65,12 @@ struct KeySet {
     buf.resize(n * H);
     for (int64_t i = 0; i < n * H; ++i) buf[i] = bf16_to_f32(src[i]);
     return buf.data();
+  }
+  // The same keys from key s0 on.
+  KeySet From(int64_t s0) const {
+    KeySet rest = *this;
+    rest.data = static_cast<const char*>(data) + s0 * H * (bf16 ? 2 : 4);
+    return rest;
   }
   // Starts fetching key j of (row, kv head) bk: into every cache level (kLevel 3) or L2 (2).
   template <int kLevel>
@@ -112,40 +122,52 @@ struct Lanes {
   }
 };
 
-// One key's raw scores (row, RP lanes) scaled, soft-capped, and -inf where mask (the row's
-// [T, stride] at this key) hides the key from the query's token or the lane holds no query
-// (live: lanes that hold one).
+// Scores of the n keys from `key` on (rows of scoresT) soft-capped, and -inf where the mask
+// (the tile's [T, stride] at `key`) hides a key from a query's token. (A token's mask is read a
+// group of keys at a time: a prefill chunk's tokens see every key of the cache.)
 template <int NR>
-void Finish(const Shapes& d, const i32xL* live, float* row, const bool* mask, int64_t stride) {
+void Finish(const Shapes& d, float* scoresT, int64_t key, int64_t n, const bool* mask,
+            int64_t stride) {
+  constexpr int64_t RP = Lanes<NR>::kRP;
+  static const bool kSeen[kLanes] = {true, true, true, true, true, true, true, true,
+                                     true, true, true, true, true, true, true, true};
   const float minus_inf = -std::numeric_limits<float>::infinity();
-  for (int v = 0; v < NR; ++v) {
-    f32xL x = live[v] ? load_f32(row + v * kLanes) * d.scale : splat(minus_inf);
-    std::memcpy(row + v * kLanes, &x, sizeof x);
-  }
+  float* rows = scoresT + key * RP;
   if (d.softcap > 0)
-    for (int64_t r = 0; r < d.G * d.T; ++r) row[r] = d.softcap * std::tanh(row[r] / d.softcap);
-  for (int64_t t = 0; t < d.T; ++t)
-    if (!mask[t * stride]) std::fill(row + t * d.G, row + (t + 1) * d.G, minus_inf);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t r = 0; r < d.G * d.T; ++r)
+        rows[j * RP + r] = d.softcap * std::tanh(rows[j * RP + r] / d.softcap);
+  for (int64_t t = 0; t < d.T; ++t) {
+    const bool* seen = mask + t * stride + key;
+    if (n <= kLanes && !std::memcmp(seen, kSeen, n)) continue;
+    for (int64_t j = 0; j < n; ++j)
+      if (!seen[j]) std::fill_n(rows + j * RP + t * d.G, d.G, minus_inf);
+  }
 }
 
-// Scores of the queries against n keys (rows of H) into scoresT [n, RP]; KB keys at a time keep
-// KB NR sums going at once. The keys come from (row, kv head) bk of the key set `ks` (converted
-// to float32 in `keys`) and the values that follow them are those of `vs`: both are fetched
-// ahead here, keys 16 ahead into L1 and each key's value into L2 (the cache is in memory, not
-// in cache, when a pass reaches a layer: a 4 x 9-node tree pass of SmolLM2 at position 250,
-// 296 -> 208 us a call, 8.9 -> 6.2 ms the pass; values alone 231-241 us; keys 32 or 64 ahead
-// no better).
+// Scores of the queries against n keys (rows of H) into scoresT [n, RP]; KB keys x two vectors
+// of queries at a time keep kSums sums going at once. The keys come from (row, kv head) bk of
+// the key set `ks` (converted to float32 in `keys`) and the values that follow them are those
+// of `vs`: both are fetched ahead here, keys 16 ahead into L1 and each key's value into L2 (the
+// cache is in memory, not in cache, when a pass reaches a layer: a 4 x 9-node tree pass of
+// SmolLM2 at position 250, 296 -> 208 us a call, 8.9 -> 6.2 ms the pass; values alone 231-241
+// us; keys 32 or 64 ahead no better).
 constexpr int64_t kKeysAhead = 16;
+// Vectors of sums a key loop keeps going at once: half the vector registers (32 with AVX-512,
+// 16 of half the width with AVX2). A 256-token chunk over 4,096 keys, 2-core Zen 4, alternating
+// builds: 16 sums 17.5-19.7 ms, 8 sums 25.5-28.3 (XLA 25.6-27.8 in the same processes).
+#if defined(__AVX512F__)
+constexpr int kSums = 16;
+#else
+constexpr int kSums = 8;
+#endif
 
 template <int NR>
 void Scores(const Shapes& d, bool few, const float* qs, const float* keys, int64_t n,
             const bool* mask, int64_t stride, float* scoresT, const KeySet& ks,
             const KeySet& vs, int64_t bk) {
   constexpr int64_t RP = Lanes<NR>::kRP;
-  constexpr int KB = 8 / NR;
-  i32xL live[NR];
-  for (int v = 0; v < NR; ++v)
-    for (int l = 0; l < kLanes; ++l) live[v][l] = v * kLanes + l < d.G * d.T ? -1 : 0;
+  constexpr int KB = kSums / 2;
   for (int64_t s = 0; s < n; s += KB) {
     for (int64_t j = s; j < std::min(s + KB, n); ++j) {
       ks.Fetch<3>(bk, std::min(j + kKeysAhead, n - 1));
@@ -159,35 +181,42 @@ void Scores(const Shapes& d, bool few, const float* qs, const float* keys, int64
       const float* key[KB];
 #pragma GCC unroll 16
       for (int j = 0; j < KB; ++j) key[j] = keys + std::min(s + j, n - 1) * d.H;
-      f32xL acc[KB][NR] = {};
-      for (int64_t h = 0; h < d.H; ++h) {
-        f32xL q[NR];
+      // Two vectors of queries at a time (one when NR is odd, last), KB keys broadcast.
+      auto pass = [&](int v, auto width) {
+        constexpr int P = decltype(width)::value;
+        f32xL acc[KB][P] = {};
+        for (int64_t h = 0; h < d.H; ++h) {
+          f32xL q[P];
+#pragma GCC unroll 2
+          for (int p = 0; p < P; ++p) q[p] = load_f32(qs + h * RP + (v + p) * kLanes);
 #pragma GCC unroll 16
-        for (int v = 0; v < NR; ++v) q[v] = load_f32(qs + h * RP + v * kLanes);
-#pragma GCC unroll 16
-        for (int j = 0; j < KB; ++j) {
-          f32xL k_h = splat(key[j][h]);
-#pragma GCC unroll 16
-          for (int v = 0; v < NR; ++v) acc[j][v] += k_h * q[v];
+          for (int j = 0; j < KB; ++j) {
+            f32xL k_h = splat(key[j][h]);
+#pragma GCC unroll 2
+            for (int p = 0; p < P; ++p) acc[j][p] += k_h * q[p];
+          }
         }
-      }
-      for (int j = 0; j < KB && s + j < n; ++j)
-        std::memcpy(scoresT + (s + j) * RP, acc[j], RP * 4);
+        for (int j = 0; j < KB && s + j < n; ++j)
+          std::memcpy(scoresT + (s + j) * RP + v * kLanes, acc[j], sizeof acc[j]);
+      };
+      for (int v = 0; v + 1 < NR; v += 2) pass(v, std::integral_constant<int, 2>{});
+      if (NR % 2) pass(NR - 1, std::integral_constant<int, 1>{});
     }
-    for (int64_t j = s; j < std::min(s + KB, n); ++j)
-      Finish<NR>(d, live, scoresT + j * RP, mask + j, stride);
+    Finish<NR>(d, scoresT, s, std::min<int64_t>(KB, n - s), mask, stride);
   }
 }
 
-// Each lane's softmax down the `columns` rows of scoresT, in place: weights e^(score - top);
-// top (the lane's largest score, -inf where it sees no key) and total (the weights' sum, 0 there).
+// Each lane's running softmax over `columns` more rows of scoresT, in place: their weights
+// e^(score - top) against the lane's new top (its largest score so far; -inf while it has seen
+// no key), total (the sum of all its weights so far) brought to that top, and rescale: what
+// the lane's output summed so far must be multiplied by to match it.
 template <int NR>
-void Softmax(float* scoresT, int64_t columns, float* top, float* total) {
+void Softmax(float* scoresT, int64_t columns, float* top, float* total, float* rescale) {
   constexpr int64_t RP = Lanes<NR>::kRP;
   const f32xL minus_inf = splat(-std::numeric_limits<float>::infinity()), zero{};
-  f32xL m[NR], shift[NR], sum[NR];
+  f32xL m[NR], old[NR], shift[NR], sum[NR];
 #pragma GCC unroll 16
-  for (int v = 0; v < NR; ++v) m[v] = minus_inf, sum[v] = zero;
+  for (int v = 0; v < NR; ++v) m[v] = old[v] = load_f32(top + v * kLanes), sum[v] = zero;
   for (int64_t c = 0; c < columns; ++c)
 #pragma GCC unroll 16
     for (int v = 0; v < NR; ++v) {
@@ -204,12 +233,25 @@ void Softmax(float* scoresT, int64_t columns, float* top, float* total) {
       std::memcpy(at, &e, sizeof e);
       sum[v] += e;
     }
-  std::memcpy(top, m, sizeof m);
-  std::memcpy(total, sum, sizeof sum);
+#pragma GCC unroll 16
+  for (int v = 0; v < NR; ++v) {
+    f32xL scale = exp_lanes(old[v] - shift[v]), t = load_f32(total + v * kLanes) * scale + sum[v];
+    std::memcpy(top + v * kLanes, &m[v], sizeof m[v]);
+    std::memcpy(total + v * kLanes, &t, sizeof t);
+    std::memcpy(rescale + v * kLanes, &scale, sizeof scale);
+  }
 }
 
-// The output (see Lanes) += the weights (weightsT [n, RP]) times n values (rows of H); across
-// lanes, HB numbers of each value at a time.
+// The output summed so far (see Lanes) times each query's rescale.
+template <int NR>
+void Rescale(bool few, int64_t rows, int64_t H, const float* rescale, float* acc) {
+  for (int64_t r = 0; r < rows; ++r)
+    if (rescale[r] != 1.0f)
+      for (int64_t h = 0; h < H; ++h) acc[Lanes<NR>::Index(few, r, h, H)] *= rescale[r];
+}
+
+// The output (see Lanes) += the weights (weightsT [n, RP]) times n values (rows of H); a vector
+// of queries' lanes at a time, HB numbers of each value broadcast across them.
 template <int NR>
 void Values(const Shapes& d, bool few, const float* weightsT, const float* values, int64_t n,
             float* acc_out) {
@@ -221,26 +263,22 @@ void Values(const Shapes& d, bool few, const float* weightsT, const float* value
         if (float w = weightsT[s * RP + r]) AddScaled(w, values + s * H, acc_out + r * H, H);
     return;
   }
-  constexpr int HB = 16 / NR;
+  constexpr int HB = kSums;
   for (int64_t h0 = 0; h0 < H; h0 += HB) {
     int hb = std::min<int64_t>(HB, H - h0);  // the last block's numbers past H repeat its last
-    f32xL acc[HB][NR];
+    for (int v = 0; v < NR; ++v) {  // one vector of queries at a time, HB numbers broadcast
+      float* out = acc_out + v * kLanes;
+      f32xL acc[HB];
 #pragma GCC unroll 16
-    for (int j = 0; j < HB; ++j)
-      std::memcpy(acc[j], acc_out + (h0 + std::min(j, hb - 1)) * RP, RP * 4);
-    for (int64_t s = 0; s < n; ++s) {
-      f32xL w[NR];
+      for (int j = 0; j < HB; ++j) acc[j] = load_f32(out + (h0 + std::min(j, hb - 1)) * RP);
+      for (int64_t s = 0; s < n; ++s) {
+        f32xL w = load_f32(weightsT + s * RP + v * kLanes);
+        const float* value = values + s * H + h0;
 #pragma GCC unroll 16
-      for (int v = 0; v < NR; ++v) w[v] = load_f32(weightsT + s * RP + v * kLanes);
-      const float* value = values + s * H + h0;
-#pragma GCC unroll 16
-      for (int j = 0; j < HB; ++j) {
-        f32xL x = splat(value[std::min(j, hb - 1)]);
-#pragma GCC unroll 16
-        for (int v = 0; v < NR; ++v) acc[j][v] += x * w[v];
+        for (int j = 0; j < HB; ++j) acc[j] += splat(value[std::min(j, hb - 1)]) * w;
       }
+      for (int j = 0; j < hb; ++j) std::memcpy(out + (h0 + j) * RP, &acc[j], sizeof acc[j]);
     }
-    for (int j = 0; j < hb; ++j) std::memcpy(acc_out + (h0 + j) * RP, acc[j], RP * 4);
   }
 }
 
@@ -252,36 +290,48 @@ int64_t Read(const bool* mask, int64_t T, int64_t S, int64_t n) {
   return 0;
 }
 
-// One (row b, kv head kv): softmax over the cache's keys the row reads and the own U keys.
+// Keys a running softmax takes at a time (scores [kBlock, RP] stay in L2).
+constexpr int64_t kBlock = 128;
+
+// One (row b, kv head kv) and a tile of the call's tokens, [t0, t0 + d.T) of T_all (d holds the
+// tile's T): a running softmax over the cache's keys the tile reads, then its own keys, kBlock
+// keys at a time.
 template <int NR>
-void Task(const Shapes& d, const float* q, const KeySet& k, const KeySet& v, const bool* mask,
-          const KeySet& k_own, const KeySet& v_own, const bool* own_mask, int64_t b, int64_t kv,
-          float* out, float* lse) {
+void Task(const Shapes& d, int64_t T_all, int64_t t0, const float* q, const KeySet& k,
+          const KeySet& v, const bool* mask, const KeySet& k_own, const KeySet& v_own,
+          const bool* own_mask, int64_t b, int64_t kv, float* out, float* lse) {
   constexpr int64_t RP = Lanes<NR>::kRP;
   int64_t rows = d.G * d.T, bk = b * d.K + kv;
   bool few = rows <= kFew;
-  const bool* row_mask = mask + b * d.T * d.S;
-  const bool* row_own = own_mask + b * d.T * d.U;
-  int64_t n = Read(row_mask, d.T, d.S, d.S_read);
-  std::vector<float> qs(d.H * RP, 0.0f), scoresT((n + d.U) * RP), acc(d.H * RP, 0.0f), buf;
+  std::vector<float> qs(d.H * RP, 0.0f), scoresT(kBlock * RP), acc(d.H * RP, 0.0f), buf;
+  auto at = [&](int64_t r) { return (b * T_all + t0 + r / d.G) * d.N + kv * d.G + r % d.G; };
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < d.H; ++h)
+      qs[Lanes<NR>::Index(few, r, h, d.H)] = q[at(r) * d.H + h] * d.scale;
+  alignas(64) float top[RP], total[RP] = {}, rescale[RP];
+  std::fill(top, top + RP, -std::numeric_limits<float>::infinity());
+  auto run = [&](const KeySet& ks, const KeySet& vs, const bool* keys_mask, int64_t stride,
+                 int64_t limit) {
+    const bool* tile_mask = keys_mask + (b * T_all + t0) * stride;
+    int64_t n = Read(tile_mask, d.T, stride, limit);
+    for (int64_t s0 = 0; s0 < n; s0 += kBlock) {
+      int64_t m = std::min(kBlock, n - s0);
+      KeySet kb = ks.From(s0), vb = vs.From(s0);
+      Scores<NR>(d, few, qs.data(), kb.Rows(bk, m, buf), m, tile_mask + s0, stride,
+                 scoresT.data(), kb, vb, bk);
+      Softmax<NR>(scoresT.data(), m, top, total, rescale);
+      Rescale<NR>(few, rows, d.H, rescale, acc.data());
+      Values<NR>(d, few, scoresT.data(), vb.Rows(bk, m, buf), m, acc.data());
+    }
+  };
+  run(k, v, mask, d.S, d.S_read);
+  run(k_own, v_own, own_mask, d.U, d.U);
   for (int64_t r = 0; r < rows; ++r) {
-    const float* q_row = q + ((b * d.T + r / d.G) * d.N + kv * d.G + r % d.G) * d.H;
-    for (int64_t h = 0; h < d.H; ++h) qs[Lanes<NR>::Index(few, r, h, d.H)] = q_row[h];
-  }
-  Scores<NR>(d, few, qs.data(), k.Rows(bk, n, buf), n, row_mask, d.S, scoresT.data(), k, v, bk);
-  Scores<NR>(d, few, qs.data(), k_own.Rows(bk, d.U, buf), d.U, row_own, d.U, &scoresT[n * RP],
-             k_own, v_own, bk);
-  alignas(64) float top[RP], total[RP];
-  Softmax<NR>(scoresT.data(), n + d.U, top, total);
-  Values<NR>(d, few, scoresT.data(), v.Rows(bk, n, buf), n, acc.data());
-  Values<NR>(d, few, &scoresT[n * RP], v_own.Rows(bk, d.U, buf), d.U, acc.data());
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t at = (b * d.T + r / d.G) * d.N + kv * d.G + r % d.G;
     float inv = total[r] > 0 ? 1.0f / total[r] : 0.0f;
     for (int64_t h = 0; h < d.H; ++h)
-      out[at * d.H + h] = acc[Lanes<NR>::Index(few, r, h, d.H)] * inv;
-    lse[at] = total[r] > 0 ? top[r] + std::log(total[r])
-                           : -std::numeric_limits<float>::infinity();
+      out[at(r) * d.H + h] = acc[Lanes<NR>::Index(few, r, h, d.H)] * inv;
+    lse[at(r)] = total[r] > 0 ? top[r] + std::log(total[r])
+                              : -std::numeric_limits<float>::infinity();
   }
 }
 
@@ -316,19 +366,24 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
       mask.dimensions()[2] != d.S || own_mask.dimensions()[2] != d.U)
     return ffi::Error::InvalidArgument("jaxkv attend: shapes do not agree");
   d.G = d.N / d.K;
-  if (d.G * d.T > 4 * kLanes)
-    return ffi::Error::InvalidArgument("jaxkv attend: at most 64 queries per kv head (T N / K)");
+  if (d.G > 4 * kLanes)
+    return ffi::Error::InvalidArgument("jaxkv attend: at most 64 query heads per kv head");
   d.S_read = std::max<int64_t>(0, std::min<int64_t>(d.S, kv_len.typed_data()[0]));
   d.scale = scale, d.softcap = softcap;
   KeySet ks = Keys(k), vs = Keys(v), ko = Keys(k_own), vo = Keys(v_own);
+  // Tiles of up to 64 queries per kv head: a tile's tokens x the kv head's G query heads.
+  int64_t T_all = d.T, tile = std::min(T_all, 4 * kLanes / d.G), tiles = (T_all + tile - 1) / tile;
   auto run = [&](auto nr) {
-    RunTasks(pool, d.B * d.K, [&](int64_t c) {
-      Task<decltype(nr)::value>(d, q.typed_data(), ks, vs, mask.typed_data(), ko, vo,
-                                own_mask.typed_data(), c / d.K, c % d.K, out->typed_data(),
+    RunTasks(pool, d.B * d.K * tiles, [&](int64_t c) {
+      int64_t bk = c / tiles, t0 = c % tiles * tile;
+      Shapes tile_d = d;
+      tile_d.T = std::min(tile, T_all - t0);
+      Task<decltype(nr)::value>(tile_d, T_all, t0, q.typed_data(), ks, vs, mask.typed_data(), ko,
+                                vo, own_mask.typed_data(), bk / d.K, bk % d.K, out->typed_data(),
                                 lse->typed_data());
     });
   };
-  switch ((d.G * d.T + kLanes - 1) / kLanes) {
+  switch ((d.G * tile + kLanes - 1) / kLanes) {
     case 1: run(std::integral_constant<int, 1>{}); break;
     case 2: run(std::integral_constant<int, 2>{}); break;
     case 3: run(std::integral_constant<int, 3>{}); break;
