@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import kernels
+from jaxkv import decoder, kernels
 from jaxkv.quant import dequantize_rows, quantize_matrix
 from tests.conftest import CONFIGS, assert_decode_equals_forward, random_tokens
 
@@ -95,6 +95,21 @@ def test_decode_step_calls_the_kernels_on_the_cpu():
                                             jnp.zeros(1, jnp.int32))
     # 3 layers x (wqkv, wo, w_in, w_out) + the head
     assert step.as_text().count("@jaxkv_dense(") == 13
+
+
+def test_prefill_chunks_attend_in_the_kernel_on_the_cpu():
+    """A chunk of more queries than a tile holds (here 100 tokens x G query heads) goes to the
+    attention kernel at every layer, and the result is forward's."""
+    params = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(0))
+    tokens_BT = jax.random.randint(jax.random.key(1), (2, 100), 0, params.config.vocab_size)
+    lengths_B = jnp.array([100, 61])
+    cache = jaxkv.init_cache(params, 2, 128)
+    run = jax.jit(lambda c, t: decoder.prefill_padded(params, c, t, lengths_B,
+                                                      jnp.zeros(2, jnp.int32), chunk=100))
+    assert run.lower(cache, tokens_BT).as_text().count("@jaxkv_attend(") == 3  # 3 layers
+    logits_BV, _ = run(cache, tokens_BT)
+    want_BTV = jaxkv.forward(params, tokens_BT)
+    np.testing.assert_allclose(logits_BV, want_BTV[jnp.arange(2), lengths_B - 1], atol=1e-4)
 
 
 @pytest.fixture
