@@ -372,7 +372,8 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   d.scale = scale, d.softcap = softcap;
   KeySet ks = Keys(k), vs = Keys(v), ko = Keys(k_own), vo = Keys(v_own);
   // Tiles of up to 64 queries per kv head: a tile's tokens x the kv head's G query heads.
-  int64_t T_all = d.T, tile = std::min(T_all, 4 * kLanes / d.G), tiles = (T_all + tile - 1) / tile;
+  int64_t T_all = d.T, per_tile = 4 * kLanes / std::max<int64_t>(1, d.G);
+  int64_t tile = std::max<int64_t>(1, std::min(T_all, per_tile)), tiles = (T_all + tile - 1) / tile;
   auto run = [&](auto nr) {
     RunTasks(pool, d.B * d.K * tiles, [&](int64_t c) {
       int64_t bk = c / tiles, t0 = c % tiles * tile;
