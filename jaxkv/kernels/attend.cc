@@ -290,7 +290,9 @@ int64_t Read(const bool* mask, int64_t T, int64_t S, int64_t n) {
   return 0;
 }
 
-// Keys a running softmax takes at a time (scores [kBlock, RP] stay in L2).
+// Keys a running softmax takes at a time: scores [kBlock, RP], 32 KiB at 64 lanes. A chunk of
+// 256 tokens over 4,096 keys, 2-core Zen 4, one process each: 64 keys 25.2 ms, 128 23.3, 256
+// 24.5 (before the 16-sum loops).
 constexpr int64_t kBlock = 128;
 
 // One (row b, kv head kv) and a tile of the call's tokens, [t0, t0 + d.T) of T_all (d holds the
