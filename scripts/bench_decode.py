@@ -26,15 +26,16 @@ own_ms_per_token); compile = first call - steady call. MBU = bytes one decode st
 (weights + the filled cache at the mean position) / ms per step / the probe's read bandwidth (a
 step only reads); mbu_vs_add divides by the add probe's read + written rate instead, a stricter
 yardstick. Weights are those of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M
-(real, GGUF; window layers read at most their window of cache), GPT-2-124M and Llama-1B shapes
-(random, saved locally with transformers and loaded by both). llama.cpp's MBU counts the GGUF
+(real, GGUF; window layers read at most their window of cache), GPT-2-124M, Llama-1B and
+SmolLM2-135M shapes (random, saved locally with transformers and loaded by both). llama.cpp's MBU counts the GGUF
 file's tensor bytes. Writes JSON + PNG (the tables and the plot name the CPU); asserts nothing
 recompiles after warm-up.
 
   python scripts/bench_decode.py                                  # CPU grid (~15 min, 2 cores)
   python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32   # quick
   python scripts/bench_decode.py --models gemma3 --batches 1 8 --dtypes float32 --out results/bench_decode_gemma3
-  python scripts/bench_decode.py --models llama-1b smollm2 --dtypes bfloat16      # on a GPU
+  python scripts/bench_decode.py --models smollm2-shapes llama-1b --dtypes bfloat16 int8 \
+      --batches 1 16 --llamacpp --out results/gpu/bench_decode_h200           # on a GPU
   python scripts/bench_decode.py --models smollm2 --batches 1 --repeats 5 \
       --out results/bench_decode_llamacpp                     # jaxkv vs llama.cpp (~? min)
   python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32 int8 q8_0 \
@@ -61,6 +62,13 @@ from bench_checks import cpu_name  # scripts/
 
 RANDOM_MODELS = {  # transformers config class, kwargs: random weights saved with save_pretrained
     "gpt2-124m": ("GPT2Config", {}),
+    # SmolLM2-135M's shapes with random weights: where its GGUF cannot travel (a lent GPU takes
+    # at most 64 MiB of files; the file is 94 MB), speed is the same, its tokens are not.
+    "smollm2-shapes": ("LlamaConfig", dict(vocab_size=49152, hidden_size=576,
+                                           intermediate_size=1536, num_hidden_layers=30,
+                                           num_attention_heads=9, num_key_value_heads=3,
+                                           max_position_embeddings=8192, rope_theta=100000.0,
+                                           tie_word_embeddings=True)),
     "llama-1b": ("LlamaConfig", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                      num_hidden_layers=22, num_attention_heads=32,
                                      num_key_value_heads=4, max_position_embeddings=2048)),
@@ -496,7 +504,7 @@ def report(args, rows, cpp_rows):
 def markdown(result) -> str:
     """The tables as markdown, under a line naming the CPU."""
     lines = [f"Decode, prompt {result['prompt_len']} + {result['new_tokens']} new tokens, greedy; "
-             f"{result['cpu']}, {result['cpu_count']} cores; jax {result['jax']}, llama.cpp "
+             f"{_machine(result)}; jax {result['jax']}, llama.cpp "
              f"(llama-cpp-python) {result['llama_cpp']}; jaxkv's products: "
              f"{result.get('products', 'XLA')}. int8: jaxkv.quantize (one scale per "
              "row); q8_0: jaxkv.load(Q8_0 file, int8=True) (one scale per 32 inputs).", "",
@@ -518,6 +526,12 @@ def markdown(result) -> str:
                   f"| {r['tokens_per_s']:.1f} | {r['own_ms_per_token']:.1f} | {r['mbu']:.2f} |"
                   for r in result["llamacpp_rows"]]
     return "\n".join(lines) + "\n"
+
+
+def _machine(result) -> str:
+    """The device that ran jaxkv: the CPU and its cores, or the accelerator and its host CPU."""
+    cpu = f"{result['cpu']}, {result['cpu_count']} cores"
+    return cpu if result["device"] == "cpu" else f"{result['device']} (host: {cpu})"
 
 
 def products() -> str:
@@ -586,8 +600,8 @@ def plot_batch_one(args, result):
         ax.set_xticks(x, [b[0] for b in bars], rotation=30, ha="right")
         ax.set(ylabel="tokens/s", title=f"{model}, batch 1")
         ax.legend()
-    fig.suptitle(f"decode, prompt {args.prompt_len} + {args.new_tokens} new, {result['cpu']} x "
-                 f"{result['cpu_count']}\njaxkv products: {result.get('products', 'XLA')}")
+    fig.suptitle(f"decode, prompt {args.prompt_len} + {args.new_tokens} new, {_machine(result)}"
+                 f"\njaxkv products: {result.get('products', 'XLA')}")
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=110)
 
