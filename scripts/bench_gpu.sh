@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one call of a lent device machine (its image has jax with CUDA, torch and
 # transformers; nothing is installed): a smoke test, scripts/bench_decode.py against
-# transformers on CUDA (bfloat16, int8 in float32 and in bfloat16; SmolLM2-135M's shapes and a 1B Llama, random weights
-# saved there), then the decoding exactness tests on the GPU. Files go to $OUT (default
+# transformers on CUDA (bfloat16, int8 in float32 and in bfloat16; SmolLM2-135M's shapes and a
+# 1B Llama, random weights saved there), then the decoding exactness tests on the GPU. Files go to $OUT (default
 # results/gpu); arguments are passed on to bench_decode.py, e.g. to try it on the CPU:
 #   OUT=/tmp/gpu bash scripts/bench_gpu.sh --models smollm2-shapes --batches 1 --new-tokens 8
 set -uo pipefail
