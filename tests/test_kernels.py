@@ -34,12 +34,13 @@ def test_float_product_equals_float64(R, I, O, dtype):
 
 
 @pytest.mark.parametrize("R,I,x_dtype", [(1, 64, jnp.float32), (1, 77, jnp.float32),
-                                         (1, 77, jnp.bfloat16), (4, 77, jnp.bfloat16),
+                                         (1, 77, jnp.bfloat16), (1, 300, jnp.bfloat16),
+                                         (4, 77, jnp.bfloat16),
                                          (9, 64, jnp.bfloat16)])
 def test_bfloat16_product_of_bfloat16_rows_equals_float64(R, I, x_dtype):
     """x holding bfloat16 numbers (a bfloat16 model's activations), given as float32 or as
-    bfloat16: one row takes the vdpbf16ps form where the CPU has it (inputs past the last 32
-    finished one by one); more rows take the other forms."""
+    bfloat16: one row takes the vdpbf16ps form where the CPU has it (300 inputs: two steps of
+    4 x 32, one of 32, 12 finished one by one); more rows take the other forms."""
     x_RI = jax.random.normal(jax.random.key(0), (R, I)).astype(jnp.bfloat16).astype(x_dtype)
     w_OI = jax.random.normal(jax.random.key(1), (203, I)).astype(jnp.bfloat16)
     y_RO = jax.jit(kernels.dense)(x_RI, w_OI)

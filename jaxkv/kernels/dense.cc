@@ -306,27 +306,33 @@ void Parallel(ffi::ThreadPool pool, int64_t O, int64_t w_bytes, int64_t tile, co
 // bfloat16 step products, 2-core Xeon, same process: 1 row 11.0 -> 9.9 ms; 2 rows no faster.
 constexpr int64_t kPairs = 2 * kLanes;  // bfloat16 inputs per vdpbf16ps
 
-// y[o] for o0 <= o < o0 + kTileO.
-void TileDP(const uint16_t* w, const uint16_t* xb, float* y, int64_t I, int64_t I_vec,
-            int64_t o0) {
-  __m512 acc[kTileO];
-#pragma GCC unroll 8
-  for (int64_t k = 0; k < kTileO; ++k) acc[k] = _mm512_setzero_ps();
-  constexpr int64_t kStep = kTileO * kPairs * 2;
-  const char* ahead = reinterpret_cast<const char*>(w + o0 * I) + kAhead * 2;
-  for (int64_t i = 0; i < I_vec; i += kPairs, ahead += kStep) {
-    for (int64_t b = 0; b < kStep; b += 64) __builtin_prefetch(ahead + b);
-    __m512bh x_pairs = (__m512bh)_mm512_loadu_si512(xb + i);
-#pragma GCC unroll 8
-    for (int64_t k = 0; k < kTileO; ++k)
-      acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)_mm512_loadu_si512(w + (o0 + k) * I + i),
-                                x_pairs);
+// One row of w times xb, the row read front to back with kC running sums and fetched 16 KiB
+// ahead. Rows read one after another stream faster than kTileO rows read side by side (Tile's
+// order, which this followed before): SmolLM2's bfloat16 step products on a 2-core AMD EPYC
+// Zen 4, against BF16Rows in the same process, went from 3-6% slower (its head alone 9-14%
+// slower) to 4-9% faster (head even); fetching 8 KiB or 4 KiB ahead, even.
+constexpr int kC = 4;
+
+float RowDP(const uint16_t* row, const uint16_t* xb, int64_t I, int64_t I_vec) {
+  const char* ahead = reinterpret_cast<const char*>(row) + kAhead * 4;
+  __m512 acc[kC];
+#pragma GCC unroll 4
+  for (int c = 0; c < kC; ++c) acc[c] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + kC * kPairs <= I_vec; i += kC * kPairs, ahead += kC * 64) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kC; ++c) {
+      __builtin_prefetch(ahead + 64 * c);
+      acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_si512(row + i + c * kPairs),
+                                (__m512bh)_mm512_loadu_si512(xb + i + c * kPairs));
+    }
   }
-  for (int64_t k = 0; k < kTileO; ++k) {
-    float s = _mm512_reduce_add_ps(acc[k]);
-    for (int64_t i = I_vec; i < I; ++i) s += bf16_to_f32(w[(o0 + k) * I + i]) * bf16_to_f32(xb[i]);
-    y[o0 + k] = s;
-  }
+  for (; i < I_vec; i += kPairs)
+    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(row + i),
+                              (__m512bh)_mm512_loadu_si512(xb + i));
+  float s = _mm512_reduce_add_ps((acc[0] + acc[1]) + (acc[2] + acc[3]));
+  for (i = I_vec; i < I; ++i) s += bf16_to_f32(row[i]) * bf16_to_f32(xb[i]);
+  return s;
 }
 
 // y [1, O] from bfloat16 w and the row of x given as bfloat16 xb [I].
@@ -334,13 +340,7 @@ void DenseDP(ffi::ThreadPool pool, const uint16_t* w, const uint16_t* xb, float*
              int64_t O) {
   int64_t I_vec = I - I % kPairs;
   Parallel(pool, O, O * I * 2, kTileO, [&](int64_t begin, int64_t end) {
-    int64_t o = begin;
-    for (; o + kTileO <= end; o += kTileO) TileDP(w, xb, y, I, I_vec, o);
-    for (; o < end; ++o) {
-      float s = 0;
-      for (int64_t i = 0; i < I; ++i) s += bf16_to_f32(w[o * I + i]) * bf16_to_f32(xb[i]);
-      y[o] = s;
-    }
+    for (int64_t o = begin; o < end; ++o) y[o] = RowDP(w + o * I, xb, I, I_vec);
   });
 }
 
