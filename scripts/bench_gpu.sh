@@ -2,14 +2,16 @@
 # The GPU checks in one call of a lent device machine (its image has jax with CUDA, torch and
 # transformers; nothing is installed): a smoke test, scripts/bench_decode.py against
 # transformers on CUDA (bfloat16, int8 in float32 and in bfloat16; SmolLM2-135M's shapes and a
-# 1B Llama, random weights saved there), then the decoding exactness tests on the GPU. Files go to $OUT (default
-# results/gpu); arguments are passed on to bench_decode.py, e.g. to try it on the CPU:
+# 1B Llama, random weights saved there), then the decoding exactness tests on the GPU. Files go
+# to $OUT (default results/gpu); arguments are passed on to bench_decode.py, e.g. to try it on
+# the CPU:
 #   OUT=/tmp/gpu bash scripts/bench_gpu.sh --models smollm2-shapes --batches 1 --new-tokens 8
 set -uo pipefail
 out=${OUT:-results/gpu}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9\n' _)
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+      tr -c 'A-Za-z0-9\n' _)
 python3 -c "
 import jax, jax.numpy as jnp, jaxkv
 print('jax', jax.__version__, jax.devices())
@@ -18,7 +20,10 @@ c = jaxkv.Config.llama(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_he
 p = jaxkv.init_params(c, jax.random.key(0))
 print('smoke: generate', jaxkv.generate(p, [[1, 2, 3]], 4)[0])" || exit 1
 timeout "${BENCH_S:-420}" python3 scripts/bench_decode.py --models smollm2-shapes llama-1b \
-    --dtypes bfloat16 int8 int8_bf16 --batches 1 16 --llamacpp --hf-repeats 2 --workdir /tmp/jaxkv_bench \
-    --out "$out/bench_decode_${gpu:-cpu}" "$@" 2>&1 | grep -v "it/s\]" | tee "$out/bench_decode_${gpu:-cpu}.log"
+    --dtypes bfloat16 int8 int8_bf16 --batches 1 16 --llamacpp --hf-repeats 2 \
+    --workdir /tmp/jaxkv_bench \
+    --out "$out/bench_decode_${gpu:-cpu}" "$@" 2>&1 | grep -v "it/s\]" |
+    tee "$out/bench_decode_${gpu:-cpu}.log"
 timeout "${TESTS_S:-120}" python3 -m pytest tests/test_quant.py tests/test_decoder.py \
-    tests/test_multidecode.py tests/test_generate.py -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$out/tests_${gpu:-cpu}.log"
+    tests/test_multidecode.py tests/test_generate.py -q -x -p no:cacheprovider 2>&1 | tail -30 |
+    tee "$out/tests_${gpu:-cpu}.log"
