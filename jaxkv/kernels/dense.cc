@@ -310,7 +310,8 @@ constexpr int64_t kPairs = 2 * kLanes;  // bfloat16 inputs per vdpbf16ps
 // ahead. Rows read one after another stream faster than kTileO rows read side by side (Tile's
 // order, which this followed before): SmolLM2's bfloat16 step products on a 2-core AMD EPYC
 // Zen 4, against BF16Rows in the same process, went from 3-6% slower (its head alone 9-14%
-// slower) to 4-9% faster (head even); fetching 8 KiB or 4 KiB ahead, even.
+// slower) to 2% slower .. 9% faster over four runs (head even); fetching 8 KiB or 4 KiB ahead,
+// or 8 running sums, no better.
 constexpr int kC = 4;
 
 float RowDP(const uint16_t* row, const uint16_t* xb, int64_t I, int64_t I_vec) {
