@@ -186,3 +186,26 @@ def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N, S):
                                                  softcap)[0]))
     np.testing.assert_allclose(jax.grad(loss(attention.attend_parts))(q_BTNH),
                                jax.grad(loss(attention._attend_parts_xla))(q_BTNH), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,seen", [(jnp.float32, "gap"), (jnp.bfloat16, "gap"),
+                                        (jnp.float32, "own only")])
+def test_attention_kernel_splits_a_decode_steps_keys(dtype, seen):
+    """One row, one kv head, one token (a decode step: fewer tasks than threads) over 2,000
+    cached keys, 1,900 filled: the keys are split into parts whose results are merged. Keys
+    300-1,700 hidden (parts that see no key), or every cached key (only the last part's own key
+    is seen)."""
+    from jaxkv import attention
+    B, K, S, U, H = 1, 1, 2000, 1, 20
+    k = jax.random.split(jax.random.key(4), 5)
+    q_BTNH = jax.random.normal(k[0], (B, 1, 3, H))
+    kv = [jax.random.normal(k[i], shape).astype(dtype) for i, shape in
+          ((1, (B, K, S, H)), (2, (B, K, S, H)), (3, (B, K, U, H)), (4, (B, K, U, H)))]
+    s_S = jnp.arange(S)
+    mask_S = ((s_S < 300) | (s_S >= 1700) if seen == "gap" else s_S < 0) & (s_S < 1900)
+    own = (kv[2], kv[3], jnp.ones((B, 1, U), bool), None)
+    run = lambda f: jax.jit(lambda q: f(q, kv[0], kv[1], mask_S[None, None], 0.3, None,  # noqa
+                                        1900, own, None))(q_BTNH)
+    (out, lse), (want, want_lse) = run(attention.attend_parts), run(attention._attend_parts_xla)
+    np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=2e-5)
