@@ -3,8 +3,9 @@
 For each model x batch: prompt 32 tokens, 128 new tokens, greedy, every dtype.
   jaxkv      jaxkv.generate (prefill + a while loop of decode_step, one compiled program) in
              float32, bfloat16, int8 (jaxkv.quantize of the float32 weights: one scale per row),
-             int8_bf16 (the same of the bfloat16 weights: bfloat16 scales and activations) or q8_0 (jaxkv.load(file, int8=True) of llama.cpp's Q8_0 file below: its int8
-             blocks, one scale per 32 inputs; GGUF models only); int8 and q8_0 compute in float32
+             int8_bf16 (the same of the bfloat16 weights: bfloat16 scales and activations) or
+             q8_0 (jaxkv.load(file, int8=True) of llama.cpp's Q8_0 file below: its int8 blocks,
+             one scale per 32 inputs; GGUF models only); int8 and q8_0 compute in float32
   hf         transformers generate with its KV cache, same weights, same prompts
   llama.cpp  (GGUF models, batch 1) llama-cpp-python on GGUF files of the same weights that
              llama.cpp's own quantize writes from the shipped file (once, under --workdir):
@@ -27,9 +28,9 @@ own_ms_per_token); compile = first call - steady call. MBU = bytes one decode st
 step only reads); mbu_vs_add divides by the add probe's read + written rate instead, a stricter
 yardstick. Weights are those of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M
 (real, GGUF; window layers read at most their window of cache), GPT-2-124M, Llama-1B and
-SmolLM2-135M shapes (random, saved locally with transformers and loaded by both). llama.cpp's MBU counts the GGUF
-file's tensor bytes. Writes JSON + PNG (the tables and the plot name the CPU); asserts nothing
-recompiles after warm-up.
+SmolLM2-135M shapes (random, saved locally with transformers and loaded by both). llama.cpp's
+MBU counts the GGUF file's tensor bytes. Writes JSON + PNG (the tables and the plot name the
+CPU); asserts nothing recompiles after warm-up.
 
   python scripts/bench_decode.py                                  # CPU grid (~15 min, 2 cores)
   python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32   # quick

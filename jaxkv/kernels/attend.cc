@@ -298,12 +298,13 @@ void Values(const Shapes& d, bool few, const float* weightsT, const float* value
   }
 }
 
-// How many of the first n keys a row reads: up to the last one any of its T tokens sees.
-int64_t Read(const bool* mask, int64_t T, int64_t S, int64_t n) {
-  for (; n > 0; --n)
+// Where a row's reading of keys [lo, n) ends: after the last one any of its T tokens sees, or
+// at lo when it sees none of them (a part's keys are not scanned below its own).
+int64_t Read(const bool* mask, int64_t T, int64_t S, int64_t lo, int64_t n) {
+  for (; n > lo; --n)
     for (int64_t t = 0; t < T; ++t)
       if (mask[t * S + n - 1]) return n;
-  return 0;
+  return lo;
 }
 
 // Keys a running softmax takes at a time: scores [kBlock, RP], 32 KiB at 64 lanes. A chunk of
@@ -332,7 +333,7 @@ void Task(const Shapes& d, int64_t T_all, int64_t t0, const float* q, const KeyS
   auto run = [&](const KeySet& ks, const KeySet& vs, const bool* keys_mask, int64_t stride,
                  int64_t lo, int64_t hi) {
     const bool* tile_mask = keys_mask + (b * T_all + t0) * stride;
-    int64_t n = Read(tile_mask, d.T, stride, hi);
+    int64_t n = Read(tile_mask, d.T, stride, lo, hi);
     for (int64_t s0 = lo; s0 < n; s0 += kBlock) {
       int64_t m = std::min(kBlock, n - s0);
       KeySet kb = ks.From(s0), vb = vs.From(s0);
