@@ -19,6 +19,8 @@ transposed [I, O] (3-10x), reductions over 8-32-wide lanes (4-10x), --xla_cpu_en
 (no change in a step).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,16 +140,27 @@ def dense(x_BTI, w: Int8, b_O=None, dtype=None):
 
 def converted_product(x_RI, w: Int8):
     """x @ w.T, accumulated in float32, with w converted to x's dtype as the product's operand.
-    One scale per row multiplies the product's outputs; per-block scales the weights first.
+    One scale per row multiplies the product's outputs. Per-block scales: for fewer rows than a
+    block has inputs, one product per block ([NB, R, O] partial sums, fewer values than w),
+    each block's scale applied as they are summed; else the weights dequantized first.
 
     The form for GPUs and TPUs: the loops of row_product (a lax.map of rows, a conditional in
-    each) ran 34.7 ms/token on an H200 (1B Llama, batch 16) against 1.7 for this. Whether
-    XLA:GPU fuses the conversion into its product, or makes a float copy of w (in the step, or
-    once before a decode loop), was not checked there; XLA:CPU makes one."""
-    if w.scale.shape[1] == 1:
+    each) ran 34.7 ms/token on an H200 (1B Llama, batch 16) against 1.7 for this. There XLA:GPU
+    converts the int8 operand inside its product kernels (Triton), so the decode loop makes no
+    float copy of w (scripts/check_int8_hlo.py); with per-block scales dequantized first it made
+    one of every large matrix at every step. XLA:CPU makes one (its own loops and kernels
+    avoid it)."""
+    R, I = x_RI.shape
+    O, NB = w.scale.shape
+    if NB == 1:
         y_RO = jnp.einsum("RI,OI->RO", x_RI, w.q.astype(x_RI.dtype),
                           preferred_element_type=jnp.float32)
         return y_RO * w.scale[:, 0].astype(jnp.float32)
+    if R < I // NB:
+        y_BRO = jnp.einsum("RBK,OBK->BRO", x_RI.reshape(R, NB, -1),
+                           w.q.reshape(O, NB, -1).astype(x_RI.dtype),
+                           preferred_element_type=jnp.float32)
+        return jnp.einsum("BRO,OB->RO", y_BRO, w.scale.astype(jnp.float32))
     return jnp.einsum("RI,OI->RO", x_RI, dequantize_rows(w.q, w.scale),
                       preferred_element_type=jnp.float32)
 
@@ -166,3 +179,30 @@ def row_product(x_I, w: Int8):
     if w.scale.shape[1] == 1:  # the scale leaves the loop: one multiply per output
         return (x_1I @ w.q.T.astype(jnp.float32))[0] * w.scale[:, 0].astype(jnp.float32)
     return (x_1I @ dequantize_rows(w.q, w.scale.astype(jnp.float32)).T)[0]
+
+
+def float_copies(params, hlo: str) -> list:
+    """[(shape of an int8 matrix of params, computation)] for each float array that compiled HLO
+    text (`jax.jit(f).lower(...).compile().as_text()`, any backend) stores holding as many
+    values as one of the matrices, one of its dimensions the matrix's rows: a float copy of the
+    weights, e.g. [O, I], [I, O] or [O, NB, I / NB]. Values inside a fusion (XLA:CPU's loops,
+    XLA:GPU's loop, reduction and Triton product kernels) are never stored, so the
+    computations that fusions call are skipped."""
+    shapes = {w.shape for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int8))
+              if isinstance(w, Int8)}
+    fused = set(re.findall(r" fusion\(.*?calls=(%[\w.\-]+)", hlo))
+    copies = set()
+    for name, computation in hlo_computations(hlo).items():
+        if name in fused:
+            continue
+        for dims in re.findall(r"(?:f64|f32|bf16|f16)\[(\d+(?:,\d+)+)\]", computation):
+            dims = tuple(map(int, dims.split(",")))
+            copies |= {(s, name) for s in shapes
+                       if len(dims) <= 3 and s[0] in dims and np.prod(dims) == np.prod(s)}
+    return sorted(copies)
+
+
+def hlo_computations(hlo: str) -> dict:
+    """{name: text} of the computations in HLO text (blocks apart by blank lines)."""
+    named = ((re.match(r"\s*(?:ENTRY\s+)?(%[\w.\-]+) ", c), c) for c in hlo.split("\n\n"))
+    return {m.group(1): c for m, c in named if m}

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks in one call of a lent device machine (its image has jax with CUDA, torch and
-# transformers; nothing is installed): a smoke test, scripts/bench_decode.py against
+# transformers; nothing is installed): a smoke test; scripts/check_int8_hlo.py (does the
+# compiled decode loop read int8 weights as int8 there?); scripts/bench_decode.py against
 # transformers on CUDA (bfloat16, int8 in float32 and in bfloat16; SmolLM2-135M's shapes and a
-# 1B Llama, random weights saved there), then the decoding exactness tests on the GPU. Files go
-# to $OUT (default results/gpu); arguments are passed on to bench_decode.py, e.g. to try it on
-# the CPU:
+# 1B Llama, random weights saved there); then the int8 and decoding exactness tests on the GPU.
+# Files go to $OUT (default results/gpu); HLO_S, BENCH_S and TESTS_S bound each step's seconds;
+# arguments are passed on to bench_decode.py, e.g. to try it on the CPU:
 #   OUT=/tmp/gpu bash scripts/bench_gpu.sh --models smollm2-shapes --batches 1 --new-tokens 8
 set -uo pipefail
 out=${OUT:-results/gpu}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
       tr -c 'A-Za-z0-9\n' _)
@@ -19,6 +20,9 @@ c = jaxkv.Config.llama(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_he
                       max_seq_len=64)
 p = jaxkv.init_params(c, jax.random.key(0))
 print('smoke: generate', jaxkv.generate(p, [[1, 2, 3]], 4)[0])" || exit 1
+(cd scripts && timeout "${HLO_S:-240}" python3 check_int8_hlo.py --models smollm2-shapes \
+    llama-1b --batches 1 16 --blocks 0 32 --out "$out/int8_hlo_${gpu:-cpu}") 2>&1 |
+    tee "$out/int8_hlo_${gpu:-cpu}.log"
 timeout "${BENCH_S:-420}" python3 scripts/bench_decode.py --models smollm2-shapes llama-1b \
     --dtypes bfloat16 int8 int8_bf16 --batches 1 16 --llamacpp --hf-repeats 2 \
     --workdir /tmp/jaxkv_bench \
