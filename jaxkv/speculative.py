@@ -36,7 +36,7 @@ from flax import struct
 
 from jaxkv import checks
 from jaxkv.cache import init_cache, store
-from jaxkv.decoder import cached_pass, logits, prefill_padded
+from jaxkv.decoder import cached_pass, decode_step, logits, prefill_padded
 from jaxkv.generate import capacity_for, eos_ids, pad_value, prepare_prompts
 from jaxkv.params import Params
 from jaxkv.sampling import argmax, row_keys, sample, sampling_params
@@ -370,24 +370,56 @@ def _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_i
                    eos_E, max_new_tokens).replace(passes=zeros)
 
 
+def _drafting(s: _Rows, usable_BMD, N: int):
+    """[B] bool: the rows that draft this round, if the live rows' expected accepted tokens
+    pay for a pass over N nodes (ROW_COST); none otherwise."""
+    offered_B = usable_BMD.any((1, 2)) & ~s.done
+    worth = jnp.sum(jnp.where(offered_B, s.gain, 0.0))
+    return offered_B & (worth >= (tree_cost(s.pos.shape[0], N) - 1) * jnp.sum(~s.done))
+
+
+def _lookup_drafts(s: _Rows, M: int, D: int):
+    """The lookup tree of each row: (chains [B, M, D], usable [B, M, D], drafting [B])."""
+    chain_BMD, usable_BMD = lookup_chains(s.hist, s.pos + 1, M, D)
+    return chain_BMD, usable_BMD, _drafting(s, usable_BMD, 1 + M * D)
+
+
+def _lookup_missed(s: _Rows, M: int, D: int):
+    """[B]: a lookup row's hindsight (what its trees from D and D / 2 tokens ago would have had
+    accepted) times HINDSIGHT."""
+    return HINDSIGHT * jnp.maximum(lookup_hindsight(s.hist, s.pos + 1, M, D),
+                                   lookup_hindsight(s.hist, s.pos + 1, M, (D + 1) // 2))
+
+
+def _plain_step(params, eos_E, s: _Rows, *, max_new_tokens: int, M: int, D: int) -> _Rows:
+    """A lookup round in which no row drafts: generate's decode step, storing the pending
+    token's K/V in place (no tree pass, no store afterwards)."""
+    pending_B = jnp.take_along_axis(s.hist, s.pos[:, None], axis=1)[:, 0]
+    logits_BV, cache = decode_step(params, s.cache, pending_B, s.pos)
+    draw_B1 = _draw(logits_BV[:, None], s.sampling, s.keys, s.t[:, None])
+    s = s.replace(cache=cache,
+                  gain=jnp.where(s.done, s.gain, (s.gain + _lookup_missed(s, M, D)) / 2))
+    return _commit(s, jnp.pad(draw_B1, ((0, 0), (0, D)), constant_values=-1),
+                   jnp.zeros_like(s.pos), eos_E, max_new_tokens)
+
+
 def _round(params, dparams, eos_E, s: _Rows, *, max_new_tokens: int, capacity: int, M: int,
            D: int) -> _Rows:
-    """One round: draft, decide, verify in one tree pass (or a plain step), commit."""
+    """One round: draft, decide, verify in one tree pass, commit. A lookup round runs only when
+    some row drafts (else _plain_step); a draft model's may verify the root alone."""
     B = s.pos.shape[0]
     depth_N, _, _ = tree_shape(M, D)
     N = 1 + M * D
     pending_B = jnp.take_along_axis(s.hist, s.pos[:, None], axis=1)[:, 0]
     dcache = s.dcache
     if dparams is None:
-        chain_BMD, usable_BMD = lookup_chains(s.hist, s.pos + 1, M, D)
+        chain_BMD, usable_BMD, drafting_B = _lookup_drafts(s, M, D)
     else:
         prev_B = jnp.take_along_axis(s.hist, jnp.maximum(s.pos - 1, 0)[:, None], axis=1)[:, 0]
         chain_BMD, dcache = draft_chains(dparams, dcache, prev_B, s.need_prev, pending_B, s.pos,
                                          M, D)
+        drafting_B = _drafting(s, jnp.ones((B, M, D), bool), N)
         usable_BMD = jnp.ones((B, M, D), bool)
-    offered_B = usable_BMD.any((1, 2)) & ~s.done
-    worth = jnp.sum(jnp.where(offered_B, s.gain, 0.0))
-    drafting_B = offered_B & (worth >= (tree_cost(B, N) - 1) * jnp.sum(~s.done))
     usable_BMD &= drafting_B[:, None, None]
     step_BN = s.t[:, None] + depth_N[None, :]
     tree_BN = jnp.concatenate([pending_B[:, None], chain_BMD.reshape(B, -1)], axis=1)
@@ -405,13 +437,15 @@ def _round(params, dparams, eos_E, s: _Rows, *, max_new_tokens: int, capacity: i
         kv = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, N - 1), (0, 0))), kv)
         return zeros_B, zeros_B, jnp.pad(draw_B1, ((0, 0), (0, D)), constant_values=-1), kv
 
-    m_B, a_B, committed_BJ, kv = jax.lax.cond(jnp.any(drafting_B), full, root_only)
+    if dparams is None:
+        m_B, a_B, committed_BJ, kv = full()
+    else:
+        m_B, a_B, committed_BJ, kv = jax.lax.cond(jnp.any(drafting_B), full, root_only)
     cache = store(s.cache, kv, kept_slots(s.pos, m_B, a_B, M, D, capacity))
     if dcache is not None:
         dcache = compact(dcache, s.pos, m_B, a_B, M, D)
     if dparams is None:
-        missed_B = HINDSIGHT * jnp.maximum(lookup_hindsight(s.hist, s.pos + 1, M, D),
-                                           lookup_hindsight(s.hist, s.pos + 1, M, (D + 1) // 2))
+        missed_B = _lookup_missed(s, M, D)
     else:
         missed_B = D * (chain_BMD[:, :, 0] == committed_BJ[:, :1]).any(1)
     seen_B = jnp.where(drafting_B, a_B, missed_B)
@@ -419,6 +453,23 @@ def _round(params, dparams, eos_E, s: _Rows, *, max_new_tokens: int, capacity: i
     s = s.replace(cache=cache, dcache=dcache, gain=gain_B,
                   need_prev=jnp.where(s.done, s.need_prev, a_B == D))
     return _commit(s, committed_BJ, a_B, eos_E, max_new_tokens)
+
+
+def _rounds(params, dparams, eos_E, s: _Rows, smaller: int, *, max_new_tokens: int,
+            capacity: int, M: int, D: int) -> _Rows:
+    """Rounds while more than `smaller` rows are live. With lookup, plain steps run in a loop
+    of their own until some row drafts, then a tree round: the loop holds no conditional, so
+    a plain step stores in place as generate's does."""
+    options = dict(max_new_tokens=max_new_tokens, M=M, D=D)
+    round_ = functools.partial(_round, params, dparams, eos_E, capacity=capacity, **options)
+    enough = lambda s: jnp.sum(~s.done) > smaller  # noqa: E731
+    if dparams is not None:
+        return jax.lax.while_loop(enough, round_, s)
+    drafts = lambda s: jnp.any(_lookup_drafts(s, M, D)[2])  # noqa: E731
+    plain = functools.partial(_plain_step, params, eos_E, **options)
+    steps = lambda s: jax.lax.while_loop(lambda s: enough(s) & ~drafts(s), plain, s)  # noqa
+    return jax.lax.while_loop(lambda s: enough(s) & drafts(s), lambda s: steps(round_(s)),
+                              steps(s))
 
 
 PHASES = 3  # batch sizes the loop may run at: B, B / 2, B / 4 (each compiles its own round)
@@ -454,9 +505,8 @@ def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, e
     for size, smaller, D in zip(sizes, sizes[1:] + (0,), Ds):
         if size < sizes[0]:
             s = _live_first(s, size)
-        round_ = functools.partial(_round, params, dparams, eos_E, max_new_tokens=max_new_tokens,
-                                   capacity=capacity, M=M, D=D)
-        s = jax.lax.while_loop(lambda s, smaller=smaller: jnp.sum(~s.done) > smaller, round_, s)
+        s = _rounds(params, dparams, eos_E, s, smaller, max_new_tokens=max_new_tokens,
+                    capacity=capacity, M=M, D=D)
         out, length, passes, accepted = (
             x.at[s.row].set(y) for x, y in zip((out, length, passes, accepted),
                                                (s.out, s.length, s.passes, s.accepted)))
