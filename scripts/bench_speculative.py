@@ -7,7 +7,9 @@ batch 1 (every prompt alone) and batch 4 (the prompts together); for each, gener
 speculative_generate with n-gram lookup at several (n_draft, n_branches) trees (its default
 n_draft among them), and with the
 int8-quantized SmolLM2 as a draft model. Every speculative answer is checked equal to
-generate's. Each configuration is compiled before it is timed.
+generate's. Each configuration is compiled before it is timed; then every engine runs every
+group of prompts in turn, --repeats rounds (best of them), so a slow spell of a shared machine
+falls on all alike (runs before 2026-11-26 timed one engine's repeats after another's).
 
   python scripts/bench_speculative.py                       # the full table (~10 min)
   python scripts/bench_speculative.py --new-tokens 8 --prompts 1 --trees 2x1 --batches 1
@@ -73,32 +75,44 @@ def timed(fn, repeats):
     return best, out
 
 
+def interleaved(engines, groups, repeats):
+    """{name: (best seconds summed over groups, [result per group])}: each engine's call on each
+    group of prompts, warmed up, then `repeats` rounds in which every engine runs every group
+    in turn, so that a slow spell of the machine falls on all of them alike."""
+    out = {name: [jax.block_until_ready(f(g)) for g in groups] for name, f in engines.items()}
+    best = {name: [float("inf")] * len(groups) for name in engines}
+    for _ in range(repeats):
+        for i, g in enumerate(groups):
+            for name, f in engines.items():
+                start = time.perf_counter()
+                jax.block_until_ready(f(g))
+                best[name][i] = min(best[name][i], time.perf_counter() - start)
+    return {name: (sum(best[name]), out[name]) for name in engines}
+
+
 def run_case(params, draft, prompts, batch, new_tokens, trees, repeats, eos):
-    """Rows for one (prompt kind, batch): generate, then each speculative configuration."""
-    batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    gen_s, reference, tokens = 0.0, [], 0
-    for rows in batches:
-        s, (out, lengths) = timed(lambda: jaxkv.generate(params, rows, new_tokens, eos_id=eos),
-                                  repeats)
-        gen_s += s
-        reference.append((np.asarray(out), np.asarray(lengths)))
-        tokens += int(np.sum(lengths))
-    results = [dict(engine="generate", seconds=gen_s, tokens=tokens, tokens_per_pass=1.0)]
+    """Rows for one (prompt kind, batch): generate, then each speculative configuration, timed
+    in turn (interleaved)."""
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     # n_draft None: speculative_generate's default, recorded as its number at this batch size
     # (the loop takes it anew as the batch shrinks)
     configs = [("lookup" if d else "lookup default", "lookup", d, m) for d, m in trees]
     if draft is not None:
         configs.append(("int8 draft", draft, 4, 1))
+    engines = {"generate": lambda rows: jaxkv.generate(params, rows, new_tokens, eos_id=eos)}
     for name, drafter, n_draft, M in configs:
-        spec_s, passes, committed, equal = 0.0, 0, 0, True
-        for rows, (want, want_len) in zip(batches, reference):
-            s, (out, lengths, stats) = timed(lambda: jaxkv.speculative_generate(
-                params, rows, new_tokens, draft=drafter, n_draft=n_draft, n_branches=M,
-                eos_id=eos), repeats)
-            spec_s += s
-            equal &= bool(np.array_equal(out, want) and np.array_equal(lengths, want_len))
-            passes += int(np.sum(stats.passes))
-            committed += int(np.sum(stats.passes + stats.accepted))
+        engines[name, n_draft, M] = lambda rows, drafter=drafter, n_draft=n_draft, M=M: \
+            jaxkv.speculative_generate(params, rows, new_tokens, draft=drafter,
+                                       n_draft=n_draft, n_branches=M, eos_id=eos)
+    timings = interleaved(engines, groups, repeats)
+    gen_s, reference = timings.pop("generate")
+    tokens = sum(int(np.sum(lengths)) for _, lengths in reference)
+    results = [dict(engine="generate", seconds=gen_s, tokens=tokens, tokens_per_pass=1.0)]
+    for (name, n_draft, M), (spec_s, outs) in timings.items():
+        equal = all(np.array_equal(out, want) and np.array_equal(lengths, want_len)
+                    for (out, lengths, _), (want, want_len) in zip(outs, reference))
+        passes = sum(int(np.sum(stats.passes)) for *_, stats in outs)
+        committed = sum(int(np.sum(stats.passes + stats.accepted)) for *_, stats in outs)
         D = n_draft or speculative.default_n_draft(batch, M)
         results.append(dict(engine=name, n_draft=D, n_branches=M, seconds=spec_s,
                             tokens=tokens, tokens_per_pass=committed / max(passes, 1),
