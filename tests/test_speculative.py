@@ -55,21 +55,47 @@ def test_draft_model_greedy_equals_generate(llama, draft_model):
     np.testing.assert_array_equal(stats.accepted, [6 * 3] * 3)
 
 
+def compiled_loop(params, dparams, B: int) -> str:
+    """The optimized HLO of the speculative loop for B prompts of 8 tokens, 8 new, n_draft 4."""
+    sampling = sampling_params(B, temperature=0.0)
+    loop = speculative._speculative_loop.lower(
+        params, dparams, jnp.ones((B, 8), jnp.int32), jnp.full((B,), 8), sampling,
+        row_keys(None, B), jnp.array([0]), jnp.int32(0), max_new_tokens=8,
+        capacity=24, M=1, Ds=(4,) * len(speculative.batch_sizes(B)))
+    return loop.compile().as_text()
+
+
+def layer_copies(hlo: str, models, B: int) -> list:
+    """Lines of the HLO that copy a layer of one of the models' caches (capacity 24)."""
+    layers = {f"[{B},{p.config.n_kv_heads},24,{p.config.head_dim}]" for p in models}
+    return [line for line in hlo.splitlines() if " copy(" in line and "broadcast" not in line
+            and any(layer in line for layer in layers)]
+
+
 @pytest.mark.parametrize("B", [1, 2])
 def test_draft_rounds_copy_no_cache_layer(llama, draft_model, B):
     """The compiled loop copies a layer of a cache only to make it (zeros): each store of the
     draft's tree waits for the reads before it, and compact reads what it moves before writing
     it (at batch 1 XLA had copied every layer of both caches each round)."""
-    sampling = sampling_params(B, temperature=0.0)
-    loop = speculative._speculative_loop.lower(
-        llama, draft_model, jnp.ones((B, 8), jnp.int32), jnp.full((B,), 8), sampling,
-        row_keys(None, B), jnp.array([0]), jnp.int32(0), max_new_tokens=8,
-        capacity=24, M=1, Ds=(4,) * len(speculative.batch_sizes(B)))
-    layers = {f"[{B},{p.config.n_kv_heads},24,{p.config.head_dim}]" for p in (llama, draft_model)}
-    copies = [line for line in loop.compile().as_text().splitlines()
-              if " copy(" in line and any(layer in line for layer in layers)
-              and "broadcast" not in line]
+    copies = layer_copies(compiled_loop(llama, draft_model, B), (llama, draft_model), B)
     assert not copies, copies[:2]
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_lookup_rounds_choose_no_pass_in_a_conditional(llama, B):
+    """With lookup, rounds in which no row drafts are decode steps in a loop of their own: no
+    conditional of the compiled loop returns a pass's keys and values (a draft model's rounds
+    choose the tree or the root alone in one), and no cache layer is copied."""
+    kv = f"[{B},{llama.config.n_kv_heads},5,{llama.config.head_dim}]"  # 1 + 1 x 4 tree nodes
+
+    def passes_in_conditionals(hlo):
+        return [line for line in hlo.splitlines()
+                if " conditional(" in line and kv in line.split(" conditional(")[0]]
+
+    hlo = compiled_loop(llama, None, B)
+    assert not passes_in_conditionals(hlo)
+    assert not layer_copies(hlo, (llama,), B)
+    assert passes_in_conditionals(compiled_loop(llama, llama, B))
 
 
 def test_sampled_equals_generate_with_the_same_key(llama, draft_model):
