@@ -9,7 +9,7 @@
 #   OUT=/tmp/gpu bash scripts/bench_gpu.sh --models smollm2-shapes --batches 1 --new-tokens 8
 set -uo pipefail
 out=${OUT:-results/gpu}
-mkdir -p "$out" && out=$(cd "$out" && pwd)
+mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
       tr -c 'A-Za-z0-9\n' _)
@@ -20,8 +20,8 @@ c = jaxkv.Config.llama(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_he
                       max_seq_len=64)
 p = jaxkv.init_params(c, jax.random.key(0))
 print('smoke: generate', jaxkv.generate(p, [[1, 2, 3]], 4)[0])" || exit 1
-(cd scripts && timeout "${HLO_S:-240}" python3 check_int8_hlo.py --models smollm2-shapes \
-    llama-1b --batches 1 16 --blocks 0 32 --out "$out/int8_hlo_${gpu:-cpu}") 2>&1 |
+timeout "${HLO_S:-240}" python3 scripts/check_int8_hlo.py --models smollm2-shapes llama-1b \
+    --batches 1 16 --blocks 0 32 --out "$out/int8_hlo_${gpu:-cpu}" 2>&1 |
     tee "$out/int8_hlo_${gpu:-cpu}.log"
 timeout "${BENCH_S:-420}" python3 scripts/bench_decode.py --models smollm2-shapes llama-1b \
     --dtypes bfloat16 int8 int8_bf16 --batches 1 16 --llamacpp --hf-repeats 2 \

@@ -81,8 +81,7 @@ def test_draft_rounds_copy_no_cache_layer(llama, draft_model, B):
     assert not copies, copies[:2]
 
 
-@pytest.mark.parametrize("B", [1, 2])
-def test_lookup_rounds_choose_no_pass_in_a_conditional(llama, B):
+def test_lookup_rounds_choose_no_pass_in_a_conditional(llama, B=1):
     """With lookup, rounds in which no row drafts are decode steps in a loop of their own: no
     conditional of the compiled loop returns a pass's keys and values (a draft model's rounds
     choose the tree or the root alone in one), and no cache layer is copied."""
