@@ -418,8 +418,8 @@ def _round(params, dparams, eos_E, s: _Rows, *, max_new_tokens: int, capacity: i
         prev_B = jnp.take_along_axis(s.hist, jnp.maximum(s.pos - 1, 0)[:, None], axis=1)[:, 0]
         chain_BMD, dcache = draft_chains(dparams, dcache, prev_B, s.need_prev, pending_B, s.pos,
                                          M, D)
-        drafting_B = _drafting(s, jnp.ones((B, M, D), bool), N)
         usable_BMD = jnp.ones((B, M, D), bool)
+        drafting_B = _drafting(s, usable_BMD, N)
     usable_BMD &= drafting_B[:, None, None]
     step_BN = s.t[:, None] + depth_N[None, :]
     tree_BN = jnp.concatenate([pending_B[:, None], chain_BMD.reshape(B, -1)], axis=1)

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxkv
-from jaxkv.generate import generate_args, generate_loop
 from jaxkv import quant
 from jaxkv.checkpoint import config_from_hf
+from jaxkv.generate import generate_args, generate_loop
 
 from bench_checks import cpu_name  # scripts/
 from bench_decode import RANDOM_MODELS
