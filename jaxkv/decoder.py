@@ -201,9 +201,10 @@ CHUNK = 256  # prompt tokens per prefill pass: 2048 tokens 4.0 s vs 7.7 (512), 5
 def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B,
                    chunk: int = CHUNK):
     """prefill without validation or bucketing (for use inside compiled code). Padding is not
-    stored. The prompt runs in a lax.scan of passes of `chunk` tokens (at most a window layer's
-    ring): each reads the cache blocks the passes before it filled and its own tokens, so
-    memory grows with the chunk, not with T, and work with what is filled, not the capacity."""
+    stored. The prompt runs in a loop of passes of `chunk` tokens (at most a window layer's
+    ring), up to the longest row's last token (not the bucket's end): each reads the cache
+    blocks the passes before it filled and its own tokens, so memory grows with the chunk, not
+    with T, and work with what is filled, not the capacity."""
     count_trace("prefill")
     B, T = tokens_BT.shape
     C = min(T, chunk, *([] if cache.ring_pos is None else [cache.ring_pos.shape[1]]))
@@ -227,8 +228,10 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
     first = (cache, jnp.zeros((B, params.config.d_model), params.embed.dtype))
     if n == 1:
         (cache, last_BD), _ = chunk_pass(first, (0, tokens_NBC[0]))
-    else:
-        (cache, last_BD), _ = jax.lax.scan(chunk_pass, first, (jnp.arange(n), tokens_NBC))
+    else:  # only the chunks some row's prompt reaches: work follows the prompts, not the bucket
+        filled = jnp.clip(-(-jnp.max(lengths_B) // C), 1, n)
+        cache, last_BD = jax.lax.fori_loop(
+            0, filled, lambda i, carry: chunk_pass(carry, (i, tokens_NBC[i]))[0], first)
     return logits(params, last_BD[:, None])[:, 0], cache
 
 

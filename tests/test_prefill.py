@@ -1,5 +1,5 @@
-"""Chunked prefill: the prompt run in lax.scan passes of `chunk` tokens equals the one-pass
-forward, and its memory grows with the chunk, not with the prompt."""
+"""Chunked prefill: the prompt run in passes of `chunk` tokens equals the one-pass forward,
+its memory grows with the chunk, not with the prompt, and no pass runs past the longest row."""
 
 import functools
 
@@ -60,6 +60,28 @@ def test_chunked_prefill_writes_the_one_pass_cache():
     for k_one, k_chunked in zip(one.k + one.v, chunked.k + chunked.v):
         for b, n in enumerate(lengths_B):
             np.testing.assert_allclose(k_chunked[b, :, :n], k_one[b, :, :n], atol=1e-5, rtol=0)
+
+
+def test_chunks_past_the_longest_prompt_are_not_run(monkeypatch):
+    """Rows of 30 and 9 tokens in a 64-token bucket, chunks of 16: two passes run, not four
+    (the loop stops at the longest row), and the logits still equal forward's."""
+    passes = []
+    real_pass = decoder.cached_pass
+
+    def counted_pass(*args, **kwargs):
+        jax.debug.callback(lambda: passes.append(1))
+        return real_pass(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "cached_pass", counted_pass)
+    params = jaxkv.init_params(MODELS["gqa"], jax.random.key(9))
+    tokens_BT = random_tokens(10, (2, 64))
+    lengths_B = np.array([30, 9])
+    cache = jaxkv.init_cache(params, 2, 64)
+    logits_BV, _ = prefill_in_chunks(params, cache, tokens_BT, lengths_B, [0, 0], 16)
+    jax.block_until_ready(logits_BV)
+    assert len(passes) == 2
+    ref_BTV = jaxkv.forward(params, tokens_BT)
+    np.testing.assert_allclose(logits_BV, ref_BTV[np.arange(2), lengths_B - 1], atol=TOL, rtol=0)
 
 
 def prefill_temp_bytes(params, length, chunk):
