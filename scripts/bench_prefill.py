@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct in float32 (the shipped GGUF, dequantized by each library), batch 1, a
 prompt of random token ids per length, a cache of exactly that many slots:
-  jaxkv        jaxkv.prefill (the prompt in lax.scan chunks of decoder.CHUNK tokens; logits of
+  jaxkv        jaxkv.prefill (the prompt in chunks of decoder.default_chunk tokens; logits of
                the last token only)
   hf           transformers' model(input_ids) under torch.no_grad(): logits at every position,
                as the issue's baseline measured it
@@ -62,10 +62,10 @@ def prompt(length, vocab=49152, seed=0):
 
 def jaxkv_call(params, length, chunk):
     """A call of jaxkv.prefill on a fresh cache of `length` slots -> last logits [V] (numpy);
-    with a chunk other than decoder.CHUNK, the same prefill compiled with that chunk."""
+    with a chunk (not None), the same prefill compiled with that chunk."""
     cache = jaxkv.init_cache(params, 1, length)
     tokens = jax.numpy.asarray(prompt(length))
-    if chunk == decoder.CHUNK:
+    if chunk is None:
         return lambda: np.asarray(jaxkv.prefill(params, cache, tokens)[0][0])
     tokens = checks.pad_to_bucket(tokens)
     lengths, start = jax.numpy.array([length]), jax.numpy.array([0])
@@ -90,7 +90,7 @@ def calls(engine, model, length, chunk=None):
         return hf_call(model, length, False)
     if engine == "hf_last":
         return hf_call(model, length, True)
-    return jaxkv_call(model, length, chunk or decoder.CHUNK)
+    return jaxkv_call(model, length, chunk)
 
 
 def rss_bytes():
@@ -163,7 +163,7 @@ def bench_length(length, engines, models, chunks, rounds, measure_memory):
     runs = {}
     for engine in engines:
         for chunk in (chunks if engine == "jaxkv" else [None]):
-            name = engine if chunk in (None, decoder.CHUNK) else f"jaxkv_chunk{chunk}"
+            name = engine if chunk is None else f"jaxkv_chunk{chunk}"
             runs[name] = calls(engine, models[engine], length, chunk)
     best, outputs = time_rounds(runs, rounds)
     row = {"length": length, "seconds": best}
@@ -214,9 +214,9 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--engines", nargs="+", default=["jaxkv", "hf", "hf_last"],
                         choices=["jaxkv", "hf", "hf_last"])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[decoder.CHUNK],
-                        help="jaxkv chunk sizes to time (the first is the one plotted as jaxkv "
-                             "when it is decoder.CHUNK)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[],
+                        help="jaxkv chunk sizes to time besides prefill's own "
+                             "(decoder.default_chunk)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--torch-threads", type=int, default=None,
@@ -236,14 +236,16 @@ def main():
     models = {"jaxkv": load("jaxkv")}
     if {"hf", "hf_last"} & set(args.engines):
         models["hf"] = models["hf_last"] = load("hf")
-    rows = [bench_length(n, args.engines, models, args.chunks, args.rounds, not args.no_memory)
-            for n in args.lengths]
+    rows = [bench_length(n, args.engines, models, [None, *args.chunks], args.rounds,
+                         not args.no_memory) for n in args.lengths]
     cpu = cpu_name()
-    title = (f"SmolLM2-135M float32, batch 1, jaxkv chunk {decoder.CHUNK}; {cpu}, "
-             f"{os.cpu_count()} cores")
+    chunk = {n: decoder.default_chunk(models["jaxkv"], 1, checks.bucket_len(n))
+             for n in args.lengths}  # tokens a pass of jaxkv.prefill, by length
+    title = (f"SmolLM2-135M float32, batch 1, jaxkv chunks {sorted(set(chunk.values()))}; "
+             f"{cpu}, {os.cpu_count()} cores")
     result = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
               "load_average_after": os.getloadavg(), "torch_threads": args.torch_threads,
-              "chunk": decoder.CHUNK, "rounds": args.rounds, "rows": rows}
+              "chunk": chunk, "rounds": args.rounds, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)

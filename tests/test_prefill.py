@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import decoder
+from jaxkv import decoder, kernels
 from tests.conftest import random_tokens
 
 TOL = 1e-4
@@ -82,6 +82,21 @@ def test_chunks_past_the_longest_prompt_are_not_run(monkeypatch):
     assert len(passes) == 2
     ref_BTV = jaxkv.forward(params, tokens_BT)
     np.testing.assert_allclose(logits_BV, ref_BTV[np.arange(2), lengths_B - 1], atol=TOL, rtol=0)
+
+
+def test_one_row_on_the_cpu_takes_the_kernels_chunk():
+    """Batch 1 up to ROW_CHUNK_UP_TO tokens: ROW_CHUNK tokens a pass (the CPU kernels take
+    them); longer prompts and larger batches: CHUNK. A 200-token prompt (four passes of 64 in
+    the 256 bucket) still equals forward."""
+    params = jaxkv.init_params(MODELS["gqa"], jax.random.key(11))
+    kernel_chunk = decoder.ROW_CHUNK if kernels.enabled() else decoder.CHUNK
+    assert decoder.default_chunk(params, 1, 256) == kernel_chunk
+    assert decoder.default_chunk(params, 1, 4096) == decoder.CHUNK
+    assert decoder.default_chunk(params, 4, 256) == decoder.CHUNK
+    tokens_BT = random_tokens(12, (1, 200))
+    logits_BV, _ = jaxkv.prefill(params, jaxkv.init_cache(params, 1, 256), tokens_BT)
+    np.testing.assert_allclose(logits_BV[0], jaxkv.forward(params, tokens_BT)[0, -1], atol=TOL,
+                               rtol=0)
 
 
 def prefill_temp_bytes(params, length, chunk):
