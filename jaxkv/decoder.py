@@ -196,22 +196,26 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
 
 
 CHUNK = 256  # prompt tokens per prefill pass: 2048 tokens 4.0 s vs 7.7 (512), 5.7 (128)
-# One row's pass on the CPU, for prompts of up to ROW_CHUNK_UP_TO tokens: its 64 rows go to
-# jaxkv.kernels, and a prompt pays at most 63 padded tokens, not 255. SmolLM2 fp32, batch 1,
-# 2-core Zen 4, bench_prefill.py --chunks 256, 64 / 256 tokens a pass: 300 tokens 0.46 / 0.74
-# s, 512 0.75 / 0.71, 2048 3.68 / 3.65, 8192 28.9 / 25.7 (there each pass rereads a long
-# cache). A batch of 4 ragged rows gained ~4% at 16 tokens a pass: fixed costs ate the saving.
+# One row's pass on the CPU, for prompts of up to ROW_CHUNK_UP_TO tokens of a model whose
+# weights are float32 or int8: its 64 rows go to jaxkv.kernels, and a prompt pays at most 63
+# padded tokens, not 255. SmolLM2, batch 1, 2-core Zen 4, seconds at 64 / 256 tokens a pass
+# (bench_prefill.py --chunks 256 for float32): float32 300 tokens 0.46 / 0.74, 512 0.75 /
+# 0.71, 2048 3.68 / 3.65, 8192 28.9 / 25.7 (there each pass rereads a long cache); int8 300
+# 0.55 / 0.80, 512 0.80 / 0.81, 2048 3.96 / 3.82. Not bfloat16: XLA's 256-row products beat
+# the kernels' 64-row ones (512 tokens 0.95 / 0.42). A batch of 4 ragged rows gained ~4% at
+# 16 tokens a pass: the passes' fixed costs ate the padding saved.
 ROW_CHUNK = 64
 ROW_CHUNK_UP_TO = 2048
+ROW_CHUNK_WEIGHTS = ("float32", "int8")
 
 
 def default_chunk(params: Params, B: int, T: int) -> int:
     """Prompt tokens per prefill pass of B rows padded to T: ROW_CHUNK for one row of up to
-    ROW_CHUNK_UP_TO tokens whose products the CPU kernels take, else CHUNK."""
+    ROW_CHUNK_UP_TO tokens whose float32 or int8 products the CPU kernels take, else CHUNK."""
     w = params.blocks[0].wqkv
-    dtype = jnp.int8 if isinstance(w, quant.Int8) else w.dtype
-    small = B == 1 and T <= ROW_CHUNK_UP_TO and kernels.fits(ROW_CHUNK, dtype)
-    return ROW_CHUNK if small else CHUNK
+    dtype = jnp.dtype(jnp.int8 if isinstance(w, quant.Int8) else w.dtype)
+    small = B == 1 and T <= ROW_CHUNK_UP_TO and dtype.name in ROW_CHUNK_WEIGHTS
+    return ROW_CHUNK if small and kernels.fits(ROW_CHUNK, dtype) else CHUNK
 
 
 def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B,
