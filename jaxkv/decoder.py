@@ -206,16 +206,17 @@ CHUNK = 256  # prompt tokens per prefill pass: 2048 tokens 4.0 s vs 7.7 (512), 5
 # 16 tokens a pass: the passes' fixed costs ate the padding saved.
 ROW_CHUNK = 64
 ROW_CHUNK_UP_TO = 2048
-ROW_CHUNK_WEIGHTS = ("float32", "int8")
 
 
 def default_chunk(params: Params, B: int, T: int) -> int:
     """Prompt tokens per prefill pass of B rows padded to T: ROW_CHUNK for one row of up to
     ROW_CHUNK_UP_TO tokens whose float32 or int8 products the CPU kernels take, else CHUNK."""
     w = params.blocks[0].wqkv
-    dtype = jnp.dtype(jnp.int8 if isinstance(w, quant.Int8) else w.dtype)
-    small = B == 1 and T <= ROW_CHUNK_UP_TO and dtype.name in ROW_CHUNK_WEIGHTS
-    return ROW_CHUNK if small and kernels.fits(ROW_CHUNK, dtype) else CHUNK
+    if isinstance(w, quant.Int8):
+        takes = quant.kernel_takes(ROW_CHUNK, w)
+    else:
+        takes = w.dtype == jnp.float32 and kernels.fits(ROW_CHUNK, w.dtype)
+    return ROW_CHUNK if B == 1 and T <= ROW_CHUNK_UP_TO and takes else CHUNK
 
 
 def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B,

@@ -117,6 +117,11 @@ def quantize(params, kind: str = "int8", block: int | None = None):
     return params.replace(embed=q(params.embed), lm_head=q(params.lm_head), blocks=blocks)
 
 
+def kernel_takes(rows: int, w: Int8) -> bool:
+    """Whether a product of this many rows of x with w goes to the CPU kernel (dense_int8)."""
+    return kernels.fits(rows, jnp.int8) and kernels.int8_fits(w.q, w.scale)
+
+
 def dense(x_BTI, w: Int8, b_O=None, dtype=None):
     """x @ w.T (+ b) reading w as int8: the CPU kernel (see above); else on XLA:CPU up to
     LOOP_ROWS rows each run one loop over w's rows that converts as it goes (XLA:CPU fuses the
@@ -125,7 +130,7 @@ def dense(x_BTI, w: Int8, b_O=None, dtype=None):
     B, T, I = x_BTI.shape
     x_RI = x_BTI.reshape(B * T, I).astype(w.dtype)
     loops = jax.default_backend() == "cpu" and B * T <= LOOP_ROWS
-    if kernels.fits(B * T, jnp.int8) and kernels.int8_fits(w.q, w.scale):
+    if kernel_takes(B * T, w):
         y_RO = kernels.dense_int8(x_RI, w.q, w.scale)
     elif loops and B * T == 1:
         y_RO = row_product(x_RI[0], w)[None]

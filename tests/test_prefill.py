@@ -86,12 +86,14 @@ def test_chunks_past_the_longest_prompt_are_not_run(monkeypatch):
 
 def test_one_row_on_the_cpu_takes_the_kernels_chunk():
     """Batch 1 up to ROW_CHUNK_UP_TO tokens, float32 or int8 weights: ROW_CHUNK tokens a pass
-    (the CPU kernels take them); longer prompts, larger batches and bfloat16 weights: CHUNK. A
-    200-token prompt (four passes of 64 in the 256 bucket) still equals forward."""
+    (the CPU kernels take them); longer prompts, larger batches, bfloat16 weights and int8
+    blocks the kernel does not take (8 inputs): CHUNK. A 200-token prompt (four passes of 64 in
+    the 256 bucket) still equals forward."""
     params = jaxkv.init_params(MODELS["gqa"], jax.random.key(11))
     kernel_chunk = decoder.ROW_CHUNK if kernels.enabled() else decoder.CHUNK
     assert decoder.default_chunk(params, 1, 256) == kernel_chunk
     assert decoder.default_chunk(jaxkv.quantize(params), 1, 256) == kernel_chunk
+    assert decoder.default_chunk(jaxkv.quantize(params, block=8), 1, 256) == decoder.CHUNK
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     assert decoder.default_chunk(half, 1, 256) == decoder.CHUNK
     assert decoder.default_chunk(params, 1, 4096) == decoder.CHUNK
