@@ -4,8 +4,9 @@ For each model x batch: prompt 32 tokens, 128 new tokens, greedy, every dtype.
   jaxkv      jaxkv.generate (prefill + a while loop of decode_step, one compiled program) in
              float32, bfloat16, int8 (jaxkv.quantize of the float32 weights: one scale per row),
              int8_bf16 (the same of the bfloat16 weights: bfloat16 scales and activations) or
-             q8_0 (jaxkv.load(file, int8=True) of llama.cpp's Q8_0 file below: its int8 blocks,
-             one scale per 32 inputs; GGUF models only); int8 and q8_0 compute in float32
+             q8_0 (one scale per 32 inputs: jaxkv.load(file, int8=True) of llama.cpp's Q8_0 file
+             below, its int8 blocks; without that file, jaxkv.quantize(block=32) of the float32
+             weights); int8 and q8_0 compute in float32
   hf         transformers generate with its KV cache, same weights, same prompts
   llama.cpp  (GGUF models, batch 1) llama-cpp-python on GGUF files of the same weights that
              llama.cpp's own quantize writes from the shipped file (once, under --workdir):
@@ -161,13 +162,13 @@ def _nbytes(tree):
 
 
 def jaxkv_params(dtype, params32, ggufs):
-    """The weights jaxkv runs as dtype (see DTYPES), or None with the reason printed."""
+    """The weights jaxkv runs as dtype (see DTYPES)."""
     if dtype.startswith("int8"):
         return jaxkv.quantize(jaxkv.cast(params32, DTYPES[dtype]))
     if dtype == "q8_0":
         if "Q8_0" not in ggufs:
-            print("jaxkv q8_0 skipped: it loads llama.cpp's Q8_0 file, which was not written")
-            return None
+            print("jaxkv q8_0: no llama.cpp Q8_0 file; jaxkv.quantize(block=32) of float32")
+            return jaxkv.quantize(params32, block=32)
         return jaxkv.load(ggufs["Q8_0"], int8=True)
     return jaxkv.cast(params32, DTYPES[dtype])
 
@@ -437,10 +438,9 @@ def main():
         ggufs = {t: path for t, path in written.items() if t in args.llamacpp}
         engines = {}
         for dtype in args.dtypes:
-            params = jaxkv_params(dtype, params32, written)
-            if params is not None:
-                engines[dtype] = (params, None if args.no_hf or dtype in INT8 else
-                                  hf_loader(_torch_dtype(dtype)).eval().to(_torch_device()))
+            engines[dtype] = (jaxkv_params(dtype, params32, written),
+                              None if args.no_hf or dtype in INT8 else
+                              hf_loader(_torch_dtype(dtype)).eval().to(_torch_device()))
         for b in args.batches:
             ours, theirs = bench_cell(name, b, engines, ggufs if b == 1 else {}, args, probe)
             rows += ours
@@ -508,7 +508,8 @@ def markdown(result) -> str:
              f"{_machine(result)}; jax {result['jax']}, llama.cpp "
              f"(llama-cpp-python) {result['llama_cpp']}; jaxkv's products: "
              f"{result.get('products', 'XLA')}. int8: jaxkv.quantize (one scale per "
-             "row); q8_0: jaxkv.load(Q8_0 file, int8=True) (one scale per 32 inputs).", "",
+             "row); q8_0: one scale per 32 inputs (jaxkv.load(Q8_0 file, int8=True), else "
+             "jaxkv.quantize(block=32)).", "",
              "| model | jaxkv | batch | ms/token | tokens/s | vs jaxkv float32 | greedy = float32 "
              "| MBU | llama.cpp file | its ms/token | vs llama.cpp | greedy = llama.cpp |",
              "|---|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|"]
