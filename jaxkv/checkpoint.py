@@ -250,12 +250,30 @@ def load_ct2_whisper(directory: str, dtype=None) -> Params:
 
 # ---- GGUF ---------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=4)
-def _gguf_reader(path: str, mtime: float):
+@functools.cache
+def _reader_class():
+    """gguf.GGUFReader reading a plain ndarray view of its memmap. The reader slices its data a
+    few times per metadata item (millions of slices for Gemma 3's 262,144-token vocabulary), and
+    numpy's memmap subclass costs microseconds a slice: Gemma 3 270M's file parses in 3.1 s
+    instead of 10.5, SmolLM2's in 0.8 instead of 2.4 (AMD EPYC Zen 4)."""
     import gguf
 
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, memmap):
+            self._plain = memmap.view(np.ndarray)
+
+    return Reader
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_reader(path: str, mtime: float):
     try:
-        return gguf.GGUFReader(path)
+        return _reader_class()(path)
     except OSError:
         raise
     except Exception as e:  # noqa: BLE001 - the reader fails on bad bytes in many ways

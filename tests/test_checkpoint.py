@@ -10,7 +10,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import jaxkv
-from jaxkv import quant
+from jaxkv import checkpoint, quant
 from jaxkv.quant import Int8, dequantize_rows
 from tests.conftest import CONFIGS, encoder_inputs, finish_gguf, random_tokens
 
@@ -154,6 +154,30 @@ def test_gpt2_checkpoint_without_lm_prefix(hf_models, tmp_path):
               path / "model.safetensors")
     reference = jaxkv.load(hf_models["gpt2"][1])
     jax.tree.map(np.testing.assert_array_equal, jaxkv.load(path), reference)
+
+
+def test_gguf_reader_reads_what_gguf_reads(tmp_path):
+    """checkpoint's reader (gguf's, over a plain view of the file: faster) parses every field and
+    tensor as gguf.GGUFReader does: strings, arrays of strings and numbers, Q8_0 and float32."""
+    import gguf
+
+    path, q8_0 = str(tmp_path / "fields.gguf"), gguf.GGMLQuantizationType.Q8_0
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_token_list(["a", "bc", "\u2202x"])
+    writer.add_token_scores([0.5, -1.0, 2.0])
+    writer.add_block_count(3)
+    writer.add_tensor("q", gguf.quants.quantize(np.linspace(-1, 1, 128, dtype=np.float32)
+                                                .reshape(2, 64), q8_0), raw_dtype=q8_0)
+    writer.add_tensor("f", np.arange(6, dtype=np.float32).reshape(2, 3))
+    finish_gguf(writer)
+    ours, theirs = checkpoint.gguf_reader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for a, b in zip(ours.fields.values(), theirs.fields.values()):
+        assert (a.types, a.data) == (b.types, b.data) and a.contents() == b.contents()
+    assert [t.name for t in ours.tensors] == ["q", "f"] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and a.data_offset == b.data_offset
+        np.testing.assert_array_equal(a.data, b.data)
 
 
 # ---- GGUF Q8_0 loaded as int8 ---------------------------------------------------------------
