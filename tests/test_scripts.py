@@ -18,11 +18,13 @@ RUNS = {
     "bench_complexity": ["--lengths", "4", "8", "--repeats", "1"],
     "bench_branches": ["--branches", "1", "2", "--new-tokens", "4", "--prompt-len", "16"],
     "profile_step": ["--steps", "2", "--capacity", "32", "--pos", "3"],
-    "bench_prefill": ["--lengths", "16", "--engines", "jaxkv", "hf", "--rounds", "1"],
+    "bench_prefill": ["--lengths", "16", "--engines", "jaxkv", "hf", "--rounds", "1",
+                      "--no-memory"],  # memory: test_prefill_memory_of_one_engine_runs
     "bench_quality": ["--tokens", "64", "--window", "32", "--formats", "fp32", "int8-kv",
                       "llama.cpp-Q8_0"],
-    "bench_speculative": ["--prompts", "1", "--batches", "1", "--new-tokens", "4", "--trees",
-                          "defaultx1", "--no-draft"],
+    "bench_speculative": ["--prompts", "1", "--kinds", "grounded", "--batches", "1",
+                          "--new-tokens", "4", "--trees", "defaultx1", "--no-draft", "--repeats",
+                          "1"],
     "bench_kernels": ["--dtypes", "int8", "--rows", "1", "2", "--repeats", "1", "--layers", "1"],
     "bench_checks": ["--models", "tiny", "--batches", "1", "--new-tokens", "4", "--rounds", "1"],
     "check_int8_hlo": ["--dtypes", "int8", "--batches", "1", "--blocks", "32", "--new-tokens",
@@ -47,6 +49,16 @@ def test_script_runs(script, tmp_path):
         return
     assert result["rows"]
     assert os.path.getsize(out + ".png") > 0
+
+
+def test_prefill_memory_of_one_engine_runs():
+    """bench_prefill's memory measurement (its own process per engine and length)."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_prefill.py"),
+                          "--memory-of", "jaxkv", "16"], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["extra_bytes"] >= 0 and result["xla_argument_bytes"] > 0
 
 
 def test_speculative_pass_costs_run(tmp_path):
