@@ -53,6 +53,7 @@ def replay(prompt, answer, D):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts of each kind (at most 4)")
     ap.add_argument("--n-draft", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--out", default="results/replay_lookup.json")
@@ -63,7 +64,7 @@ def main():
     template = jaxkv.chat_template(path)
     result = dict(cpu=cpu_name(), n_draft=args.n_draft, kinds={})
     for kind in ("grounded", "free"):
-        prompts = prompts_of(kind, tokenizer, template, 4)
+        prompts = prompts_of(kind, tokenizer, template, args.prompts)
         out, lengths = jaxkv.generate(params, prompts, args.new_tokens, eos_id=params.config.eos_id)
         by_length = collections.defaultdict(list)
         for prompt, row, length in zip(prompts, np.asarray(out), np.asarray(lengths)):

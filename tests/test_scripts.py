@@ -76,7 +76,7 @@ def test_speculative_pass_costs_run(tmp_path):
 def test_lookup_replay_runs(tmp_path):
     out = str(tmp_path / "replay.json")
     run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "replay_lookup.py"),
-                          "--new-tokens", "6", "--out", out], capture_output=True, text=True,
+                          "--prompts", "1", "--new-tokens", "6", "--out", out], capture_output=True, text=True,
                          timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     with open(out) as f:
