@@ -6,7 +6,8 @@ round, over SmolLM2's answers to scripts/bench_speculative.py's prompts, and cou
 tokens accepted per chain by the length of the match that proposed it. This is what chose
 speculative.MIN_MATCH (one-token matches on free-form text: 0.23 tokens per chain).
 
-  python scripts/replay_lookup.py                  # n_draft 8, both prompt kinds
+  python scripts/replay_lookup.py                  # n_draft 8, both prompt kinds, 4 of each
+  python scripts/replay_lookup.py --prompts 1 --new-tokens 16        # quick
 """
 
 import argparse

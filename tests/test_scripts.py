@@ -32,13 +32,18 @@ RUNS = {
 }
 
 
+def run_script(script: str, *args: str) -> str:
+    """scripts/<script>.py run with args from the repository root: its stdout (it must succeed)."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script + ".py"), *args],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
 @pytest.mark.parametrize("script", RUNS)
 def test_script_runs(script, tmp_path):
     out = str(tmp_path / script)
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script + ".py"),
-                          *RUNS[script], "--out", out], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script(script, *RUNS[script], "--out", out)
     with open(out + ".json") as f:
         result = json.load(f)
     if script == "profile_step":  # tables, not a plot
@@ -53,20 +58,14 @@ def test_script_runs(script, tmp_path):
 
 def test_prefill_memory_of_one_engine_runs():
     """bench_prefill's memory measurement (its own process per engine and length)."""
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_prefill.py"),
-                          "--memory-of", "jaxkv", "16"], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = json.loads(run_script("bench_prefill", "--memory-of", "jaxkv", "16")
+                        .strip().splitlines()[-1])
     assert result["extra_bytes"] >= 0 and result["xla_argument_bytes"] > 0
 
 
 def test_speculative_pass_costs_run(tmp_path):
     out = str(tmp_path / "costs")
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_speculative.py"),
-                          "--costs", "--batches", "2", "--nodes", "1", "3", "--out", out],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script("bench_speculative", "--costs", "--batches", "2", "--nodes", "1", "3", "--out", out)
     with open(out + ".json") as f:
         rows = json.load(f)["pass_costs"]
     assert [(r["batch"], r["nodes"], r["rows"]) for r in rows] == [(2, 1, 2), (2, 3, 6)]
@@ -75,10 +74,7 @@ def test_speculative_pass_costs_run(tmp_path):
 
 def test_lookup_replay_runs(tmp_path):
     out = str(tmp_path / "replay.json")
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "replay_lookup.py"),
-                          "--prompts", "1", "--new-tokens", "6", "--out", out], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script("replay_lookup", "--prompts", "1", "--new-tokens", "6", "--out", out)
     with open(out) as f:
         kinds = json.load(f)["kinds"]
     assert set(kinds) == {"grounded", "free"} and all(kinds.values())
