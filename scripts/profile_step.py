@@ -46,13 +46,15 @@ def weights_read(hlo_text):
     return found
 
 
-def trace_events(trace_dir):
-    """Complete events ('X') of the perfetto trace jax.profiler wrote."""
+def trace_events(trace_dir, hlo_text):
+    """Complete events ('X') of the perfetto trace jax.profiler wrote for the instructions of
+    hlo_text (not the runtime's own spans, such as ThunkExecutor::Execute around them)."""
     path = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)[0]
     with gzip.open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    return [e for e in events if e.get("ph") == "X" and not e["name"].startswith(("$", "end:"))]
+    names = set(re.findall(r"^\s*(?:ROOT )?%([\w.-]+) =", hlo_text, re.MULTILINE))
+    return [e for e in events if e.get("ph") == "X" and e["name"] in names]
 
 
 def summarize(events, weights, n_steps, weight_bytes):
@@ -72,7 +74,7 @@ def summarize(events, weights, n_steps, weight_bytes):
         for k, (c, us) in items]
     by_weight = [dict(r, name=r["name"][0], weight=r["name"][1]) for r in rows(by_weight)]
     for r in by_weight:  # a product reads its whole weight once per call (a lookup does not)
-        product = any(word in r["name"] for word in ("dot", "gemm", "ynn", "matmul"))
+        product = any(word in r["name"] for word in ("dot", "gemm", "ynn", "matmul", "ffi_call"))
         r["gb_per_s"] = (weight_bytes.get(r["weight"], np.nan) / (r["us_each"] * 1e-6) / 1e9
                          if product else np.nan)
     return rows(by_kind), by_weight, rows(by_name[:20])
@@ -117,7 +119,8 @@ def main():
             jax.block_until_ready(logits_BV)
     profiled_ms = (time.perf_counter() - start) / args.steps * 1e3
     hlo = compiled.as_text()
-    tables = summarize(trace_events(trace_dir), weights_read(hlo), args.steps, array_bytes(params))
+    tables = summarize(trace_events(trace_dir, hlo), weights_read(hlo), args.steps,
+                       array_bytes(params))
     report(args, params, profiled_ms, hlo, *tables)
 
 
