@@ -195,7 +195,12 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
     return x_BTD, jax.tree.map(lambda x: x + after_B1T1.astype(x.dtype), (k, v))
 
 
-CHUNK = 256  # prompt tokens per prefill pass: 2048 tokens 4.0 s vs 7.7 (512), 5.7 (128)
+# Prompt tokens per prefill pass. With the attention kernel, 512 a pass ran 4-7% faster than
+# 256 at 512, 2,048 and 8,192 tokens on a 2-core Zen 4 (SmolLM2 float32, bench_cpu.sh's chunks
+# step; XLA's attention made 512 twice as slow at 2,048), but the passes stop at the longest
+# row's last token, so a prompt pays up to 511 padded tokens, not 255 (a 600-token prompt: 1,024
+# computed, not 768). Not measured on the Xeon or the Zen 5; 256 until they say.
+CHUNK = 256
 # One row's pass on the CPU, for prompts of up to ROW_CHUNK_UP_TO tokens of a model whose
 # weights are float32 or int8: its 64 rows go to jaxkv.kernels, and a prompt pays at most 63
 # padded tokens, not 255. SmolLM2, batch 1, 2-core Zen 4, seconds at 64 / 256 tokens a pass

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The CPU-dependent measurements in one command, for a CPU the results do not cover yet: files
+# go to results/cpu/<vendor>_f<family>_m<model> (the CPU's model name is in every table), one
+# step after another, so that nothing else runs beside a timing.
+#   decode      SmolLM2 batch 1, float32 / bfloat16 / int8 against llama.cpp F32 / F16 / Q8_0
+#               and the read bandwidth (MBU), best of 5 interleaved rounds
+#   prefill     SmolLM2 512 / 2,048 / 8,192 tokens against transformers' forward, with memory
+#   chunks      decoder.CHUNK 256 against 512, and one row's 64-token passes (300 tokens)
+#   speculative lookup (default tree and 4 x 1) against generate, grounded and free-form prompts
+# llama.cpp is the optional `bench` extra (pip install -e ".[bench]"; on an Intel Xeon with AMX
+# see scripts/bench_decode.py for the build flags); without it the decode step says so and
+# times jaxkv alone. STEPS picks steps (default: all), e.g. STEPS="decode chunks".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python}
+slug=$(awk -F': ' '/^vendor_id/ {v=$2} /^cpu family/ {f=$2} /^model\t/ {m=$2}
+                   END {sub(/Authentic|Genuine/, "", v); print tolower(v) "_f" f "_m" m}' \
+       /proc/cpuinfo)
+out=${OUT:-results/cpu/$slug}
+echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-) -> $out"
+steps=${STEPS:-decode prefill chunks speculative}
+for step in $steps; do
+  case $step in decode|prefill|chunks|speculative) ;;
+    *) echo "unknown step $step (decode, prefill, chunks, speculative)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+for step in $steps; do
+  case $step in
+    decode) $python scripts/bench_decode.py --models smollm2 --batches 1 \
+              --dtypes float32 bfloat16 int8 --llamacpp F32 F16 Q8_0 --no-hf --repeats 5 \
+              --out "$out/bench_decode" ;;
+    prefill) $python scripts/bench_prefill.py --out "$out/bench_prefill" ;;
+    chunks) $python scripts/bench_prefill.py --engines jaxkv --no-memory --chunks 256 512 \
+              --lengths 300 512 2048 8192 --out "$out/bench_prefill_chunks" ;;
+    speculative) $python scripts/bench_speculative.py --kinds grounded free \
+              --trees defaultx1 4x1 --no-draft --repeats 3 --out "$out/bench_speculative" ;;
+  esac 2>&1 | grep -v "it/s\]" | tee "$out/$step.log"
+done
