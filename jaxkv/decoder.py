@@ -197,9 +197,10 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
 
 # Prompt tokens per prefill pass. With the attention kernel, 512 a pass ran 4-7% faster than
 # 256 at 512, 2,048 and 8,192 tokens on a 2-core Zen 4 (SmolLM2 float32, bench_cpu.sh's chunks
-# step; XLA's attention made 512 twice as slow at 2,048), but the passes stop at the longest
-# row's last token, so a prompt pays up to 511 padded tokens, not 255 (a 600-token prompt: 1,024
-# computed, not 768). Not measured on the Xeon or the Zen 5; 256 until they say.
+# step; before that kernel, on two loaded cores, 512 took 7.7 s at 2,048 tokens against 256's
+# 4.0), but the passes stop at the longest row's last token, so a prompt pays up to 511 padded
+# tokens, not 255 (a 600-token prompt: 1,024 computed, not 768). Not measured on the Xeon or the
+# Zen 5; 256 until they say.
 CHUNK = 256
 # One row's pass on the CPU, for prompts of up to ROW_CHUNK_UP_TO tokens of a model whose
 # weights are float32 or int8: its 64 rows go to jaxkv.kernels, and a prompt pays at most 63
