@@ -9,10 +9,11 @@
 #   speculative lookup (default tree and 4 x 1) against generate, grounded and free-form prompts
 # llama.cpp is the optional `bench` extra (pip install -e ".[bench]"; on an Intel Xeon with AMX
 # see scripts/bench_decode.py for the build flags); without it the decode step says so and
-# times jaxkv alone. STEPS picks steps (default: all), e.g. STEPS="decode chunks".
+# times jaxkv alone. STEPS picks steps (default: all), e.g. STEPS="decode chunks"; DRY_RUN=1
+# prints each step's command instead of running it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python=${PYTHON:-python}
+python="${DRY_RUN:+echo }${PYTHON:-python}"
 slug=$(awk -F': ' '/^vendor_id/ {v=$2} /^cpu family/ {f=$2} /^model\t/ {m=$2}
                    END {sub(/Authentic|Genuine/, "", v); print tolower(v) "_f" f "_m" m}' \
        /proc/cpuinfo)

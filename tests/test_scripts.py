@@ -78,3 +78,20 @@ def test_lookup_replay_runs(tmp_path):
     with open(out) as f:
         kinds = json.load(f)["kinds"]
     assert set(kinds) == {"grounded", "free"} and all(kinds.values())
+
+
+def test_bench_cpu_steps_parse(tmp_path):
+    """scripts/bench_cpu.sh: each step's command is one its script accepts (run up to --help,
+    so every flag and choice before it is checked), and an unknown step is refused up front."""
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, OUT=str(tmp_path))
+    script = os.path.join(ROOT, "scripts", "bench_cpu.sh")
+    run = subprocess.run(["bash", script], capture_output=True, text=True, env=env, cwd=ROOT)
+    commands = [line.split() for line in run.stdout.splitlines()
+                if line.startswith(sys.executable)]
+    assert run.returncode == 0 and len(commands) == 4, run.stderr
+    for command in commands:
+        parsed = subprocess.run([*command, "--help"], capture_output=True, text=True, cwd=ROOT)
+        assert parsed.returncode == 0, (command, parsed.stderr[-2000:])
+    refused = subprocess.run(["bash", script], capture_output=True, text=True, cwd=ROOT,
+                             env=dict(env, STEPS="decode bogus"))
+    assert refused.returncode == 2 and "unknown step bogus" in refused.stderr
