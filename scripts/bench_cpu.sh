@@ -10,10 +10,13 @@
 # llama.cpp is the optional `bench` extra (pip install -e ".[bench]"; on an Intel Xeon with AMX
 # see scripts/bench_decode.py for the build flags); without it the decode step says so and
 # times jaxkv alone. STEPS picks steps (default: all), e.g. STEPS="decode chunks"; DRY_RUN=1
-# prints each step's command instead of running it.
+# prints each step's command instead of running it. PYTHON: the interpreter (default
+# .venv/bin/python where the README's set-up made it, else python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python="${DRY_RUN:+echo }${PYTHON:-python}"
+default_python=python3
+[ -x .venv/bin/python ] && default_python=.venv/bin/python  # the README's set-up
+python="${DRY_RUN:+echo }${PYTHON:-$default_python}"
 slug=$(awk -F': ' '/^vendor_id/ {v=$2} /^cpu family/ {f=$2} /^model\t/ {m=$2}
                    END {sub(/Authentic|Genuine/, "", v); print tolower(v) "_f" f "_m" m}' \
        /proc/cpuinfo)
