@@ -2,7 +2,8 @@
 
 Everything that decides a run's numbers is in the TrainState or follows from it: batch i of the
 data stream is drawn from fold_in(state.key, i), so stopping, restoring a checkpoint and going on
-gives bitwise the parameters of a run straight through.
+gives bitwise the parameters of a run straight through. On a GPU that needs XLA's deterministic
+ops (`deterministic`, which the training scripts call first thing).
 """
 
 import dataclasses
@@ -13,6 +14,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -27,6 +29,10 @@ from jaxkv.decoder import forward
 from jaxkv.params import Params, init_params
 
 VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
+# XLA:GPU adds a scatter's updates (the embedding lookup's gradient is one) with atomics, in the
+# order its threads arrive: on an H100 two runs of one seed, and a run stopped and resumed, ended
+# a few bits apart; with this flag they were bitwise equal (results/gpu/train_*_h100.log).
+DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
 
 
 # ---- losses -------------------------------------------------------------------------------
@@ -219,6 +225,23 @@ def start(config, seed: int, optim: OptimConfig, manager, run: dict, resume: boo
     return restored
 
 
+def deterministic() -> None:
+    """Adds DETERMINISTIC to XLA_FLAGS, so that a seed fixes a run on a GPU as it does on a CPU or
+    TPU. XLA reads its flags when the first computation starts a backend: call it before."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if DETERMINISTIC not in flags.split():
+        os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC}".strip()
+
+
+def warn_if_nondeterministic() -> None:
+    """A warning on a GPU whose XLA_FLAGS lack DETERMINISTIC: the run's last bits vary."""
+    if jax.default_backend() == "gpu" and DETERMINISTIC not in os.environ.get("XLA_FLAGS",
+                                                                              "").split():
+        warnings.warn(f"training on a GPU without {DETERMINISTIC} in XLA_FLAGS: two runs of one "
+                      f"seed, or a resumed run, are not bitwise equal; call jaxkv.train."
+                      f"deterministic() before jax's first computation", stacklevel=3)
+
+
 # ---- the loop -----------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +263,7 @@ def fit(state: TrainState, next_batch, loss_fn, optim: OptimConfig, loop: Loop, 
     logs what one straight through would. Checkpoints state + meta every ckpt_every steps and
     at loop.stop.
     """
+    warn_if_nondeterministic()
     began = time.perf_counter()
     while (step := int(state.step)) < loop.stop:
         state, loss = train_step(state, next_batch(state.key, state.data_pos), loss_fn, optim)
@@ -334,6 +358,7 @@ def run_record(config: dict, seed: int, params, sample_tokens, results: dict) ->
         versions={name: importlib.metadata.version(name) for name in VERSIONED},
         python=platform.python_version(), os=platform.platform(),
         device_kind=device.device_kind, platform=device.platform,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
         params_sha256=tree_sha256(params),
         sample_sha256=hashlib.sha256(np.asarray(sample_tokens, np.int32).tobytes()).hexdigest(),
         results=results)

@@ -92,6 +92,7 @@ def save_model(params, path):
 
 
 def main(argv=None):
+    train.deterministic()  # before the first computation: a seed fixes the run on a GPU too
     args = parse_args(argv)
     started = time.perf_counter()
     train_bytes, val_bytes = load_bytes(args.data)

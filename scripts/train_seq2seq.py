@@ -103,6 +103,7 @@ def digits(row) -> str:
 
 
 def main(argv=None):
+    train.deterministic()  # before the first computation: a seed fixes the run on a GPU too
     args = parse_args(argv)
     started = time.perf_counter()
     sources, lengths = random_sources(np.random.default_rng([args.seed, 1]), args.test_size)

@@ -12,6 +12,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jaxkv  # noqa: E402
+from jaxkv import train  # noqa: E402
+
+train.deterministic()  # on a GPU, as the training scripts run: bitwise-reproducible
 
 TINY = dict(vocab_size=97, d_model=64, n_layers=3, max_seq_len=128)
 

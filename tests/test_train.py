@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -135,8 +136,30 @@ def assert_run_record(record):
     assert set(record["versions"]) == {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
                                        "numpy"}
     assert record["device_kind"] == jax.devices()[0].device_kind
+    assert train.DETERMINISTIC in record["xla_flags"].split()  # the scripts set it first thing
     assert all(len(record[k]) == 64 for k in ("params_sha256", "sample_sha256"))
     json.dumps(record)
+
+
+def test_deterministic_adds_its_flag_once(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    train.deterministic()
+    train.deterministic()
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {train.DETERMINISTIC}"
+    monkeypatch.delenv("XLA_FLAGS")
+    train.deterministic()
+    assert os.environ["XLA_FLAGS"] == train.DETERMINISTIC
+
+
+def test_training_on_a_gpu_without_the_flag_warns(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    with pytest.warns(UserWarning, match="xla_gpu_deterministic_ops=true in XLA_FLAGS: two runs"):
+        train.warn_if_nondeterministic()
+    monkeypatch.setenv("XLA_FLAGS", train.DETERMINISTIC)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train.warn_if_nondeterministic()
 
 
 def test_seq2seq_task_batches():
