@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxkv import checks, convert, locate, models, quant
+from jaxkv import checks, convert, locate, models, pages, quant
 from jaxkv.config import Config
 from jaxkv.convert import CheckpointError
 from jaxkv.models.common import gguf_field, gguf_required  # noqa: F401 - jaxkv.tokenizer's
@@ -51,9 +51,9 @@ def load(path, dtype=None, int8=False) -> Params:
     if not isinstance(int8, bool):
         raise TypeError(f"load: int8 must be True or False, got {int8!r}")
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return load_gguf(path, dtype, int8)
+        return pages.huge_pages(load_gguf(path, dtype, int8))
     params = _load_other(path, dtype)
-    return quant.quantize(params) if int8 else params
+    return quant.quantize(params) if int8 else pages.huge_pages(params)
 
 
 def _load_other(path: str, dtype=None) -> Params:

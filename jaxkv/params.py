@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv import checks
+from jaxkv import checks, pages
 from jaxkv.config import Config
 
 
@@ -192,5 +192,5 @@ def init_params(config: Config, key: jax.Array, dtype=jnp.float32) -> Params:
 def cast(params, dtype):
     """The same parameters with every floating leaf cast to dtype (e.g. jnp.bfloat16)."""
     dtype = checks.float_dtype(dtype, "cast: dtype")
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                        params)
+    return pages.huge_pages(jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params))

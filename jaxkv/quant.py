@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv import kernels
+from jaxkv import kernels, pages
 
 Q8_BLOCK = 32  # inputs per scale in GGUF's Q8_0
 MATRICES = ("embed", "lm_head", "blocks.wqkv", "blocks.wo", "blocks.w_in", "blocks.w_out")
@@ -114,7 +114,8 @@ def quantize(params, kind: str = "int8", block: int | None = None):
     q = lambda w: w if w is None or isinstance(w, Int8) else quantize_matrix(w, block)  # noqa: E731
     blocks = tuple(b.replace(wqkv=q(b.wqkv), wo=q(b.wo), w_in=q(b.w_in), w_out=q(b.w_out))
                    for b in params.blocks)
-    return params.replace(embed=q(params.embed), lm_head=q(params.lm_head), blocks=blocks)
+    return pages.huge_pages(params.replace(embed=q(params.embed), lm_head=q(params.lm_head),
+                                           blocks=blocks))
 
 
 def kernel_takes(rows: int, w: Int8) -> bool:
