@@ -35,11 +35,13 @@ def advise(x) -> float:
     (MADV_COLLAPSE), or where that is refused, as they are next faulted (MADV_HUGEPAGE). The
     fraction of those pages collapsed; the array's values are untouched either way."""
     libc = _libc()
-    if libc is None or isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+    if (libc is None or isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array)
+            or x.nbytes < MIN_BYTES or any(d.platform != "cpu" for d in x.devices())):
         return 0.0
     done = total = 0
+    x.block_until_ready()  # its pages written, not still being filled by a dispatched computation
     for shard in x.addressable_shards:
-        if shard.device.platform != "cpu" or shard.data.nbytes < MIN_BYTES:
+        if shard.data.nbytes < MIN_BYTES:
             continue
         start = shard.data.unsafe_buffer_pointer()
         for page in range(start // HUGE * HUGE, start + shard.data.nbytes, HUGE):
