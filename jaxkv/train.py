@@ -228,18 +228,20 @@ def start(config, seed: int, optim: OptimConfig, manager, run: dict, resume: boo
 def deterministic() -> None:
     """Adds DETERMINISTIC to XLA_FLAGS, so that a seed fixes a run on a GPU as it does on a CPU or
     TPU. XLA reads its flags when the first computation starts a backend: call it before."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if DETERMINISTIC not in flags.split():
-        os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC}".strip()
+    if not _deterministic_flag():
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC}".strip()
 
 
 def warn_if_nondeterministic() -> None:
     """A warning on a GPU whose XLA_FLAGS lack DETERMINISTIC: the run's last bits vary."""
-    if jax.default_backend() == "gpu" and DETERMINISTIC not in os.environ.get("XLA_FLAGS",
-                                                                              "").split():
+    if jax.default_backend() == "gpu" and not _deterministic_flag():
         warnings.warn(f"training on a GPU without {DETERMINISTIC} in XLA_FLAGS: two runs of one "
                       f"seed, or a resumed run, are not bitwise equal; call jaxkv.train."
                       f"deterministic() before jax's first computation", stacklevel=3)
+
+
+def _deterministic_flag() -> bool:
+    return DETERMINISTIC in os.environ.get("XLA_FLAGS", "").split()
 
 
 # ---- the loop -----------------------------------------------------------------------------
