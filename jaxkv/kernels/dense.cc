@@ -287,11 +287,18 @@ void ChunkT(const float* w, const float* xT, const float* x, float* y, int64_t R
 constexpr int64_t kChunkBytes = 64 << 10;  // below this much of w per chunk, fewer chunks
 
 // chunk(o_begin, o_end) over every output row, in chunks of a multiple of `tile` rows split
-// over the calling thread and XLA's pool.
+// over the calling thread and XLA's pool: one chunk a thread for one row of x (a decode step's
+// products read memory and do little else, and every chunk starts its stream cold), four for
+// more rows (compute, which a thread held up elsewhere would leave unbalanced). One chunk a
+// thread against four, SmolLM2's 121 one-row products, 2-core AMD EPYC Zen 4, same process,
+// interleaved rounds (GB/s of the weights): int8 27.3 -> 30.5 (probe 49 GB/s) and 24.5 -> 26.2
+// (probe 31), float32 40.3 -> 41.1 and 30.3 -> 30.0, bfloat16 36.7 -> 37.9 and even.
 template <typename Work>
-void Parallel(ffi::ThreadPool pool, int64_t O, int64_t w_bytes, int64_t tile, const Work& chunk) {
+void Parallel(ffi::ThreadPool pool, int64_t R, int64_t O, int64_t w_bytes, int64_t tile,
+              const Work& chunk) {
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t n = std::min<int64_t>(4 * threads, std::max<int64_t>(1, w_bytes / kChunkBytes));
+  int64_t per_thread = R == 1 ? 1 : 4;
+  int64_t n = std::min<int64_t>(per_thread * threads, std::max<int64_t>(1, w_bytes / kChunkBytes));
   int64_t rows_per = (O + n - 1) / n;
   rows_per = (rows_per + tile - 1) / tile * tile;
   n = (O + rows_per - 1) / rows_per;
@@ -306,24 +313,26 @@ void Parallel(ffi::ThreadPool pool, int64_t O, int64_t w_bytes, int64_t tile, co
 // bfloat16 step products, 2-core Xeon, same process: 1 row 11.0 -> 9.9 ms; 2 rows no faster.
 constexpr int64_t kPairs = 2 * kLanes;  // bfloat16 inputs per vdpbf16ps
 
-// One row of w times xb, the row read front to back with kC running sums and fetched 16 KiB
-// ahead. Rows read one after another stream faster than kTileO rows read side by side (Tile's
-// order, which this followed before): SmolLM2's bfloat16 step products on a 2-core AMD EPYC
-// Zen 4, against BF16Rows in the same process, went from 3-6% slower (its head alone 9-14%
-// slower) to 2% slower .. 9% faster over four runs (head even); fetching 8 KiB or 4 KiB ahead,
-// or 8 running sums, no better.
+// One row of w times xb, the row read front to back with kC running sums. Rows read one after
+// another stream faster than kTileO rows read side by side (Tile's order, which this followed
+// before): SmolLM2's bfloat16 step products on a 2-core AMD EPYC Zen 4, against BF16Rows in
+// the same process, went from 3-6% slower (its head alone 9-14% slower) to 2% slower .. 9%
+// faster over four runs (head even); 8 running sums no better. A chunk is then one stream that
+// the hardware prefetchers follow: fetching 16 KiB ahead in software as well (as Tile does)
+// made it slower on the same CPU, one process, interleaved rounds, 4 runs of 60-150 rounds:
+// SmolLM2's 121 products 32.9-34.6 -> 35.3-36.7 GB/s (probe 48-50 GB/s), 27.1-29.1 -> 27.8-31.4
+// (probe 31-33); five [49152, 576] heads 42.1-43.2 -> 44.9-45.6 (probe 48-50). Fetching it
+// into L2 instead, 16 or 64 KiB ahead, was no better than into L1.
 constexpr int kC = 4;
 
 float RowDP(const uint16_t* row, const uint16_t* xb, int64_t I, int64_t I_vec) {
-  const char* ahead = reinterpret_cast<const char*>(row) + kAhead * 4;
   __m512 acc[kC];
 #pragma GCC unroll 4
   for (int c = 0; c < kC; ++c) acc[c] = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + kC * kPairs <= I_vec; i += kC * kPairs, ahead += kC * 64) {
+  for (; i + kC * kPairs <= I_vec; i += kC * kPairs) {
 #pragma GCC unroll 4
     for (int c = 0; c < kC; ++c) {
-      __builtin_prefetch(ahead + 64 * c);
       acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_si512(row + i + c * kPairs),
                                 (__m512bh)_mm512_loadu_si512(xb + i + c * kPairs));
     }
@@ -340,7 +349,7 @@ float RowDP(const uint16_t* row, const uint16_t* xb, int64_t I, int64_t I_vec) {
 void DenseDP(ffi::ThreadPool pool, const uint16_t* w, const uint16_t* xb, float* y, int64_t I,
              int64_t O) {
   int64_t I_vec = I - I % kPairs;
-  Parallel(pool, O, O * I * 2, kTileO, [&](int64_t begin, int64_t end) {
+  Parallel(pool, 1, O, O * I * 2, kTileO, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) y[o] = RowDP(w + o * I, xb, I, I_vec);
   });
 }
@@ -362,7 +371,8 @@ template <typename Rows>
 void Dense(ffi::ThreadPool pool, const Rows& w, const float* x, float* y, int64_t R, int64_t I,
            int64_t O) {
   int64_t I_vec = I - I % (Rows::kParts * kLanes);
-  Parallel(pool, O, O * I * int64_t(sizeof(*w.Row(0))), kTileO, [&](int64_t begin, int64_t end) {
+  Parallel(pool, R, O, O * I * int64_t(sizeof(*w.Row(0))), kTileO,
+           [&](int64_t begin, int64_t end) {
     Chunk(w, x, y, R, I, I_vec, O, begin, end);
   });
 }
@@ -396,7 +406,7 @@ void DenseT(ffi::ThreadPool pool, const float* w, const float* x, float* y, int6
   auto run = [&](auto nv) {
     constexpr int V = decltype(nv)::value;
     int64_t tile = 24 / V;
-    Parallel(pool, O, O * I * int64_t(sizeof(float)), tile, [&](int64_t begin, int64_t end) {
+    Parallel(pool, R, O, O * I * int64_t(sizeof(float)), tile, [&](int64_t begin, int64_t end) {
       ChunkT<V>(w, xT.get(), x, y, R_outer, R, I, O, begin, end);
     });
   };
