@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import kernels, quant
+from jaxkv import kernels, pages, quant
 
 from bench_checks import cpu_name  # scripts/
 
@@ -30,13 +30,14 @@ HEAD = (49152, 576)
 
 
 def weights(dtype: str, layers: int):
-    """SmolLM2's step matrices, random, in dtype (int8: jaxkv.quantize's per-row scales)."""
+    """SmolLM2's step matrices, random, in dtype (int8: jaxkv.quantize's per-row scales), on
+    2 MiB pages as jaxkv.load puts a model's (runs before 2026-11-26 had them on 4 KiB pages)."""
     shapes = LAYER * layers + [HEAD]
     keys = jax.random.split(jax.random.key(0), len(shapes))
     ws = [jax.random.normal(k, s) / s[1] ** 0.5 for k, s in zip(keys, shapes)]
     if dtype == "int8":
-        return [quant.quantize_matrix(w) for w in ws]
-    return [w.astype(dtype) for w in ws]
+        return pages.huge_pages([quant.quantize_matrix(w) for w in ws])
+    return pages.huge_pages([w.astype(dtype) for w in ws])
 
 
 def step(product):
