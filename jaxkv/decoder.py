@@ -195,12 +195,12 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
     return x_BTD, jax.tree.map(lambda x: x + after_B1T1.astype(x.dtype), (k, v))
 
 
-# Prompt tokens per prefill pass. With the attention kernel, 512 a pass ran 4-7% faster than
-# 256 at 512, 2,048 and 8,192 tokens on a 2-core Zen 4 (SmolLM2 float32, bench_cpu.sh's chunks
-# step; before that kernel, on two loaded cores, 512 took 7.7 s at 2,048 tokens against 256's
-# 4.0), but the passes stop at the longest row's last token, so a prompt pays up to 511 padded
-# tokens, not 255 (a 600-token prompt: 1,024 computed, not 768). Not measured on the Xeon or the
-# Zen 5; 256 until they say.
+# Prompt tokens per prefill pass. With the attention kernel, 512 a pass ran 4-8% faster than
+# 256 at 512, 2,048 and 8,192 tokens on a 2-core Zen 4 and 3-7% on a Zen 5 (SmolLM2 float32,
+# bench_cpu.sh's chunks step; before that kernel, on two loaded cores, 512 took 7.7 s at 2,048
+# tokens against 256's 4.0), but the passes stop at the longest row's last token, so a prompt
+# pays up to 511 padded tokens, not 255 (a 600-token prompt: 1,024 computed, not 768, which
+# costs more than 512's 3-8% saves). Not measured on the Xeon; 256 stays.
 CHUNK = 256
 # One row's pass on the CPU, for prompts of up to ROW_CHUNK_UP_TO tokens of a model whose
 # weights are float32 or int8: its 64 rows go to jaxkv.kernels, and a prompt pays at most 63
