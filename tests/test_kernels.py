@@ -61,6 +61,17 @@ def test_int8_product_equals_float64_of_the_dequantized_weights(block, scale_dty
     np.testing.assert_allclose(y_RO, reference(x_RI, w_OI), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("I,O,block", [(77, 13, None), (48, 13, 16), (48, 30, None)])
+def test_int8_one_row_tails_equal_float64(I, O, block):
+    """One row of x takes each 32 inputs in two chains: inputs past the last 32 are finished one
+    by one, rows past the last 4-row tile one at a time, and 16-input blocks straddle a pair."""
+    x_RI = jax.random.normal(jax.random.key(0), (1, I))
+    w = quantize_matrix(jax.random.normal(jax.random.key(1), (O, I)), block)
+    y_RO = jax.jit(kernels.dense_int8)(x_RI, w.q, w.scale)
+    w_OI = dequantize_rows(w.q, w.scale.astype(jnp.float32))
+    np.testing.assert_allclose(y_RO, reference(x_RI, w_OI), atol=1e-4, rtol=1e-5)
+
+
 def test_int8_blocks_it_does_not_take_are_named():
     """Blocks of 48 inputs (not a power of two) stay with XLA: int8_fits says so."""
     w = quantize_matrix(jnp.ones((4, 96)), block=48)
