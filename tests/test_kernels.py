@@ -61,10 +61,12 @@ def test_int8_product_equals_float64_of_the_dequantized_weights(block, scale_dty
     np.testing.assert_allclose(y_RO, reference(x_RI, w_OI), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("I,O,block", [(77, 13, None), (48, 13, 16), (48, 30, None)])
+@pytest.mark.parametrize("I,O,block", [(77, 13, None), (48, 13, 16), (48, 30, None),
+                                     (96, 13, 32), (128, 30, 64)])
 def test_int8_one_row_tails_equal_float64(I, O, block):
     """One row of x takes each 32 inputs in two chains: inputs past the last 32 are finished one
-    by one, rows past the last 4-row tile one at a time, and 16-input blocks straddle a pair."""
+    by one, rows past the last 4-row tile one at a time, 16-input blocks straddle a pair, and
+    blocks of 32 or more are scaled once a step."""
     x_RI = jax.random.normal(jax.random.key(0), (1, I))
     w = quantize_matrix(jax.random.normal(jax.random.key(1), (O, I)), block)
     y_RO = jax.jit(kernels.dense_int8)(x_RI, w.q, w.scale)

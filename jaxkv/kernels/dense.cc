@@ -46,6 +46,7 @@ inline f32xL int8_lanes(const int8_t* p) {
 struct F32Rows {
   static constexpr int kParts = 1;
   static constexpr bool kInterleaved = false;
+  static constexpr bool kStepScaled = false;  // see Int8PairBlocks
   const float* w;
   int64_t I;
   const float* Row(int64_t o) const { return w + o * I; }
@@ -57,6 +58,7 @@ struct F32Rows {
 // bfloat16 rows, read either of two ways (BF16Rows, BF16Widen).
 struct BF16Base {
   static constexpr bool kInterleaved = false;
+  static constexpr bool kStepScaled = false;
   const uint16_t* w;
   int64_t I;
   const uint16_t* Row(int64_t o) const { return w + o * I; }
@@ -102,6 +104,7 @@ template <typename Scale, bool kBlocks>
 struct Int8Rows {
   static constexpr int kParts = 1;
   static constexpr bool kInterleaved = false;
+  static constexpr bool kStepScaled = false;
   const int8_t* q;
   const Scale* scale;
   int64_t I, NB, log2K;
@@ -134,6 +137,20 @@ struct Int8Pairs : Int8Rows<Scale, kBlocks> {
   }
 };
 
+// Blocks of 32 inputs or more (GGUF's Q8_0), one row of x: a step's 32 products summed as they
+// are, then scaled once (StepScale), where Int8Pairs multiplies each 16 weights by their scale.
+// [O, 2048] products with Q8_0's float16 scales, Zen 5, paired rounds, probe 75 GB/s: from
+// memory 52.2 -> 61.9 GB/s (1.19x), from cache 1.19x; SmolLM2's 121 products 0.96x-1.02x time.
+template <typename Scale>
+struct Int8PairBlocks : Int8Rows<Scale, true> {
+  static constexpr int kParts = 2;
+  static constexpr bool kStepScaled = true;
+  f32xL Lanes(int64_t o, int64_t i, int part) const {
+    return int8_lanes(this->q + o * this->I + i + part * kLanes);
+  }
+  float StepScale(int64_t o, int64_t i) const { return this->ScaleAt(o, i >> this->log2K); }
+};
+
 // y[r, o] for rows r0 <= r < r0 + NR and o0 <= o < o0 + kTileO, vectorised over the first
 // I_vec inputs and finished one by one. NR is a constant so the accumulators stay in registers.
 // Every loop over k and r is unrolled (the pragmas): with one left rolled GCC keeps acc in
@@ -163,16 +180,32 @@ void Tile(const Rows& w, const float* x, float* y, int64_t I, int64_t I_vec, int
                       (kBytes == 1 ? kAheadInt8 : kAhead * kBytes);
   for (int64_t i = 0; i < I_vec; i += kWidth, ahead += kStep) {
     for (int64_t b = 0; b < kStep; b += 64) __builtin_prefetch(ahead + b);
+    f32xL step[kTileO][NR];  // the step's sums before its scale, for a format scaled per step
+    if constexpr (Rows::kStepScaled) {
+#pragma GCC unroll 8
+      for (int64_t k = 0; k < kTileO; ++k)
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) step[k][r] = f32xL{};
+    }
 #pragma GCC unroll 2
     for (int part = 0; part < Rows::kParts; ++part) {
       f32xL w_lanes[kTileO];
 #pragma GCC unroll 8
       for (int64_t k = 0; k < kTileO; ++k) w_lanes[k] = w.Lanes(o0 + k, i, part);
+      auto& sums = Rows::kStepScaled ? step : acc[part % kChains];
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) {
         f32xL x_lanes = load_f32(x + (r0 + r) * I + i + part * kLanes);
 #pragma GCC unroll 8
-        for (int64_t k = 0; k < kTileO; ++k) acc[part % kChains][k][r] += w_lanes[k] * x_lanes;
+        for (int64_t k = 0; k < kTileO; ++k) sums[k][r] += w_lanes[k] * x_lanes;
+      }
+    }
+    if constexpr (Rows::kStepScaled) {
+#pragma GCC unroll 8
+      for (int64_t k = 0; k < kTileO; ++k) {
+        f32xL scale = splat(w.StepScale(o0 + k, i));
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) acc[0][k][r] += step[k][r] * scale;
       }
     }
   }
@@ -507,10 +540,14 @@ ffi::Error DenseTImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return ffi::Error::Success();
 }
 
-// One row of x in two chains of multiply-adds (Int8Pairs), more rows as they are.
+// One row of x in two chains of multiply-adds (Int8Pairs; Int8PairBlocks for blocks of 32
+// inputs or more), more rows as they are.
 template <typename Scale, bool kBlocks>
 void DenseInt8Rows(ffi::ThreadPool pool, const Int8Rows<Scale, kBlocks>& rows, const float* x,
                    float* y, int64_t R, int64_t I, int64_t O) {
+  if constexpr (kBlocks) {
+    if (R == 1 && rows.log2K >= 5) return Dense(pool, Int8PairBlocks<Scale>{rows}, x, y, R, I, O);
+  }
   if (R == 1) Dense(pool, Int8Pairs<Scale, kBlocks>{rows}, x, y, R, I, O);
   else Dense(pool, rows, x, y, R, I, O);
 }
