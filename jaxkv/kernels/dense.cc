@@ -139,8 +139,8 @@ struct Int8Pairs : Int8Rows<Scale, kBlocks> {
 
 // Blocks of 32 inputs or more (GGUF's Q8_0), one row of x: a step's 32 products summed as they
 // are, then scaled once (StepScale), where Int8Pairs multiplies each 16 weights by their scale.
-// [O, 2048] products with Q8_0's float16 scales, Zen 5, paired rounds, probe 75 GB/s: from
-// memory 52.2 -> 61.9 GB/s (1.19x), from cache 1.19x; SmolLM2's 121 products 0.96x-1.02x time.
+// [O, 2048] products with Q8_0's float16 scales, Zen 5, paired rounds, probe 73 GB/s: from
+// memory 50.3 -> 61.1 GB/s (1.23x), from cache 1.28x; SmolLM2's 121 products 0.96x-1.02x time.
 template <typename Scale>
 struct Int8PairBlocks : Int8Rows<Scale, true> {
   static constexpr int kParts = 2;
