@@ -6,6 +6,7 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"  # the host's devices, also on a machine with a GPU
 
 import jax  # noqa: E402
 

@@ -25,6 +25,20 @@ def test_half_cache_holds_the_rounded_numbers(dtype):
     assert not got_BKSH[0, :, :4].any() and not got_BKSH[1].any()
 
 
+def test_dropped_slots_touch_no_other_row():
+    """Slots at or past S are dropped, not stored in the next row: row b's slot S + t flattened
+    as b * S + slot is row b + 1's slot t. (Padded prompt tokens and rejected tree nodes go to
+    such slots; XLA:GPU's deterministic scatter has mixed flattened indices up before.)"""
+    B, K, S, H = 3, 2, 5, 4
+    new_BTKH = jax.random.normal(jax.random.key(0), (B, 3, K, H))
+    slot_BT = np.array([[S, S + 1, 4], [0, 1, S], [S + 2, 2, 3]])
+    got_BKSH = jax.jit(write)(jnp.full((B, K, S, H), -1.0), new_BTKH, jnp.asarray(slot_BT))
+    want_BKSH = np.full((B, K, S, H), -1.0, np.float32)
+    for b, t in zip(*np.nonzero(slot_BT < S)):
+        want_BKSH[b, :, slot_BT[b, t]] = new_BTKH[b, t]
+    np.testing.assert_array_equal(got_BKSH, want_BKSH)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_cache_decodes_like_float32(llama, dtype):
     cache = jaxkv.init_cache(llama, 2, 24, dtype=dtype)

@@ -13,6 +13,11 @@ from jaxkv.quant import dequantize_rows, quantize_matrix
 from tests.conftest import CONFIGS, assert_decode_equals_forward, random_tokens
 
 
+# The kernels serve processes whose default backend is the CPU; CI runs these there.
+on_the_cpu = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                reason="the CPU kernels are not used where JAX computes elsewhere")
+
+
 def reference(x_RI, w_OI):
     return np.asarray(x_RI, np.float64) @ np.asarray(w_OI, np.float64).T
 
@@ -102,6 +107,7 @@ def test_other_platforms_lower_the_plain_product(platform):
     assert "@jaxkv_dense(" in traced.lower(lowering_platforms=("cpu",)).as_text()
 
 
+@on_the_cpu
 def test_decode_step_calls_the_kernels_on_the_cpu():
     params = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(0))
     cache = jaxkv.init_cache(params, 1, 16)
@@ -111,6 +117,7 @@ def test_decode_step_calls_the_kernels_on_the_cpu():
     assert step.as_text().count("@jaxkv_dense(") == 13
 
 
+@on_the_cpu
 def test_prefill_chunks_attend_in_the_kernel_on_the_cpu():
     """A chunk of more queries than a tile holds (here 100 tokens x G query heads) goes to the
     attention kernel at every layer, and the result is forward's."""
@@ -175,6 +182,7 @@ def attention_case(H, dtype, key=0, T=3, N=4, S=37):
     (24, jnp.float32, None, None, 50, 6, 777), (16, jnp.bfloat16, 5.0, None, 70, 2, 300)],
     ids=["float32", "tail_softcap_kv_len", "bfloat16", "27_queries", "44_queries", "64_queries",
          "3_tiles_3_blocks", "2_tiles_2_blocks_bfloat16"])
+@on_the_cpu
 def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N, S):
     """Output and log-sum-exp against XLA's attention (a query that sees no key: 0 and -inf),
     with head sizes that are not a whole vector, soft-capping, a kv_len bound, bfloat16 keys,

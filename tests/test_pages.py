@@ -23,7 +23,8 @@ def thp_allowed() -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not thp_allowed(),
                     reason="needs Linux with transparent huge pages not set to never")
 def test_a_large_array_is_collapsed_and_keeps_its_values():
-    x = jnp.arange(3 << 20, dtype=jnp.float32)  # 12 MiB: some whole 2 MiB pages inside
+    # 12 MiB (some whole 2 MiB pages inside), on the CPU where JAX's default device is another
+    x = jax.device_put(jnp.arange(3 << 20, dtype=jnp.float32), jax.devices("cpu")[0])
     want = np.asarray(x).copy()
     assert pages.advise(x) > 0
     np.testing.assert_array_equal(np.asarray(x), want)
