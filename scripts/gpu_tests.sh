@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite on a lent GPU machine, in one call: every module but those needing real weights
 # or programs the machine cannot install, in parallel, stopped (SIGINT, so pytest still prints
-# its summary) before SUITE_S seconds. Then the modules that failed, twice more, each stopped
+# its summary) before SUITE_S seconds. Then the tests that failed, twice more, each stopped
 # before AGAIN_S: with XLA:GPU's deterministic scatter rewrite off (the suite runs with
 # --xla_gpu_deterministic_ops=true, set by tests/conftest.py, and XLA has had bugs in that
 # rewrite), and with every .at[].set marked unique_indices (scripts/gpu_unique_scatter.py: the
