@@ -55,6 +55,17 @@ def encdec(request):
     return jaxkv.init_params(ENCDEC_CONFIGS[request.param], jax.random.key(3))
 
 
+@pytest.fixture
+def xla_products(monkeypatch):
+    """Products and attention left to XLA, as on a GPU or TPU (or without a compiler, or with
+    JAXKV_CPU_KERNELS=0)."""
+    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
+    jax.clear_caches()
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
 @pytest.fixture(params=sorted(CONFIGS))
 def model(request):
     """Random params for each tiny config (GPT-2; Llama with MHA, GQA, MQA)."""

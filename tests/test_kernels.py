@@ -133,16 +133,6 @@ def test_prefill_chunks_attend_in_the_kernel_on_the_cpu():
     np.testing.assert_allclose(logits_BV, want_BTV[jnp.arange(2), lengths_B - 1], atol=1e-4)
 
 
-@pytest.fixture
-def xla_products(monkeypatch):
-    """Products left to XLA (as without a compiler, or with JAXKV_CPU_KERNELS=0)."""
-    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
-    jax.clear_caches()
-    yield
-    monkeypatch.undo()
-    jax.clear_caches()
-
-
 @pytest.mark.parametrize("name,block", [("llama_gqa", "float"), ("gpt2", None),
                                         ("llama_mqa", 32)])
 def test_decoding_with_xla_products_equals_forward(xla_products, name, block):

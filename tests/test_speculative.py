@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import speculative
+from jaxkv import kernels, speculative
 from jaxkv.sampling import row_keys, sampling_params
 from tests.conftest import CONFIGS
 
@@ -39,6 +39,17 @@ def test_lookup_greedy_equals_generate_on_a_ragged_batch(name, monkeypatch):
     # one of its own; the last one may go past the budget.
     assert (np.asarray(stats.passes) + np.asarray(stats.accepted) >= 29).all()
     assert int(stats.passes[0]) < 29
+
+
+def test_greedy_equals_generate_on_xla_products(xla_products, monkeypatch):
+    """The program a GPU or TPU runs (XLA's products and attention, no CPU kernels)."""
+    monkeypatch.setattr(speculative, "ROW_COST", 0.0)
+    assert not kernels.fits(1, jnp.float32)
+    params = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(1))
+    want, _ = jaxkv.generate(params, ragged_prompts(), 20)
+    tokens, _, stats = jaxkv.speculative_generate(params, ragged_prompts(), 20, n_draft=3)
+    np.testing.assert_array_equal(tokens, want)
+    assert int(stats.accepted[0]) > 0
 
 
 def test_draft_model_greedy_equals_generate(llama, draft_model):
