@@ -53,6 +53,13 @@ def test_bfloat16_product_of_bfloat16_rows_equals_float64(R, I, x_dtype):
     np.testing.assert_allclose(y_RO, want, atol=2e-5 * I)
 
 
+def assert_int8_product_exact(x_RI, q_OI, scale_OB):
+    """dense_int8 against a float64 product of the dequantized weights."""
+    y_RO = jax.jit(kernels.dense_int8)(x_RI, q_OI, scale_OB)
+    w_OI = dequantize_rows(q_OI, scale_OB.astype(jnp.float32))
+    np.testing.assert_allclose(y_RO, reference(x_RI, w_OI), atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("block", [None, 16, 32])
 @pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("R", [1, 6, 20])  # 20: the outer-product form
@@ -61,9 +68,7 @@ def test_int8_product_equals_float64_of_the_dequantized_weights(block, scale_dty
     w = quantize_matrix(jax.random.normal(jax.random.key(1), (300, 128)), block)
     scale_OB = w.scale.astype(scale_dtype)
     assert kernels.int8_fits(w.q, scale_OB)
-    y_RO = jax.jit(kernels.dense_int8)(x_RI, w.q, scale_OB)
-    w_OI = dequantize_rows(w.q, scale_OB.astype(jnp.float32))
-    np.testing.assert_allclose(y_RO, reference(x_RI, w_OI), atol=1e-4, rtol=1e-5)
+    assert_int8_product_exact(x_RI, w.q, scale_OB)
 
 
 @pytest.mark.parametrize("I,O,block", [(77, 13, None), (48, 13, 16), (48, 30, None),
@@ -74,9 +79,7 @@ def test_int8_one_row_tails_equal_float64(I, O, block):
     blocks of 32 or more are scaled once a step."""
     x_RI = jax.random.normal(jax.random.key(0), (1, I))
     w = quantize_matrix(jax.random.normal(jax.random.key(1), (O, I)), block)
-    y_RO = jax.jit(kernels.dense_int8)(x_RI, w.q, w.scale)
-    w_OI = dequantize_rows(w.q, w.scale.astype(jnp.float32))
-    np.testing.assert_allclose(y_RO, reference(x_RI, w_OI), atol=1e-4, rtol=1e-5)
+    assert_int8_product_exact(x_RI, w.q, w.scale)
 
 
 def test_int8_blocks_it_does_not_take_are_named():

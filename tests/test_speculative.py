@@ -25,8 +25,13 @@ def ragged_prompts(seed=0, vocab=97):
     return [motif * 3, rng.integers(0, vocab, 5).tolist(), motif[:4] * 4 + [3]]
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "gpt2"])
-def test_lookup_greedy_equals_generate_on_a_ragged_batch(name, monkeypatch):
+@pytest.mark.parametrize("name,xla", [("llama_gqa", False), ("gpt2", False), ("llama_gqa", True)],
+                         ids=["llama_gqa", "gpt2", "llama_gqa_xla_products"])
+def test_lookup_greedy_equals_generate_on_a_ragged_batch(name, xla, monkeypatch, request):
+    """Also as a GPU or TPU runs it (xla: XLA's products and attention, no CPU kernels)."""
+    if xla:
+        request.getfixturevalue("xla_products")
+        assert not kernels.fits(1, jnp.float32)
     monkeypatch.setattr(speculative, "ROW_COST", 0.0)  # trees cost a step: rows draft when offered
     params = jaxkv.init_params(CONFIGS[name], jax.random.key(1))
     prompts = ragged_prompts()
@@ -39,17 +44,6 @@ def test_lookup_greedy_equals_generate_on_a_ragged_batch(name, monkeypatch):
     # one of its own; the last one may go past the budget.
     assert (np.asarray(stats.passes) + np.asarray(stats.accepted) >= 29).all()
     assert int(stats.passes[0]) < 29
-
-
-def test_greedy_equals_generate_on_xla_products(xla_products, monkeypatch):
-    """The program a GPU or TPU runs (XLA's products and attention, no CPU kernels)."""
-    monkeypatch.setattr(speculative, "ROW_COST", 0.0)
-    assert not kernels.fits(1, jnp.float32)
-    params = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(1))
-    want, _ = jaxkv.generate(params, ragged_prompts(), 20)
-    tokens, _, stats = jaxkv.speculative_generate(params, ragged_prompts(), 20, n_draft=3)
-    np.testing.assert_array_equal(tokens, want)
-    assert int(stats.accepted[0]) > 0
 
 
 def test_draft_model_greedy_equals_generate(llama, draft_model):
