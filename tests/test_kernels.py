@@ -172,15 +172,20 @@ def attention_case(H, dtype, key=0, T=3, N=4, S=37):
     (16, jnp.float32, None, None, 3, 4, 37), (20, jnp.float32, 5.0, 30, 3, 4, 37),
     (32, jnp.bfloat16, None, 21, 3, 4, 37), (20, jnp.float32, None, 30, 9, 6, 37),
     (16, jnp.bfloat16, 5.0, None, 11, 8, 37), (24, jnp.float32, None, None, 16, 8, 37),
-    (24, jnp.float32, None, None, 50, 6, 777), (16, jnp.bfloat16, 5.0, None, 70, 2, 300)],
+    (24, jnp.float32, None, None, 50, 6, 777), (16, jnp.bfloat16, 5.0, None, 70, 2, 300),
+    (64, jnp.float32, None, None, 1, 6, 300), (64, jnp.bfloat16, 5.0, None, 2, 4, 77),
+    (128, jnp.float32, None, None, 1, 2, 40), (32, jnp.bfloat16, None, 180, 1, 8, 200)],
     ids=["float32", "tail_softcap_kv_len", "bfloat16", "27_queries", "44_queries", "64_queries",
-         "3_tiles_3_blocks", "2_tiles_2_blocks_bfloat16"])
+         "3_tiles_3_blocks", "2_tiles_2_blocks_bfloat16", "decode_3_queries",
+         "decode_4_queries_bfloat16_softcap", "decode_1_query_128", "decode_4_queries_bfloat16"])
 @on_the_cpu
 def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N, S):
     """Output and log-sum-exp against XLA's attention (a query that sees no key: 0 and -inf),
     with head sizes that are not a whole vector, soft-capping, a kv_len bound, bfloat16 keys,
     6 to 64 queries per kv head (1 to 4 vectors of them), and more queries than a tile holds
-    (64: a prefill chunk) over more keys than a block (256) holds; its derivative is XLA's."""
+    (64: a prefill chunk) over more keys than a block (256) holds; and a decode step's path (at
+    most 4 queries per kv head, whole vectors of head size: keys across lanes) for 1 to 4
+    queries, over keys that end inside a vector and a block; its derivative is XLA's."""
     from jaxkv import attention
     q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, dtype, T=T, N=N, S=S)
     if kv_len is not None:
@@ -202,15 +207,16 @@ def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N, S):
                                jax.grad(loss(attention._attend_parts_xla))(q_BTNH), atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,seen", [(jnp.float32, "gap"), (jnp.bfloat16, "gap"),
-                                        (jnp.float32, "own only")])
-def test_attention_kernel_splits_a_decode_steps_keys(dtype, seen):
+@pytest.mark.parametrize("dtype,seen,H", [(jnp.float32, "gap", 20), (jnp.bfloat16, "gap", 20),
+                                          (jnp.float32, "own only", 20), (jnp.float32, "gap", 64),
+                                          (jnp.bfloat16, "own only", 64)])
+def test_attention_kernel_splits_a_decode_steps_keys(dtype, seen, H):
     """One row, one kv head, one token (a decode step: fewer tasks than threads) over 2,000
     cached keys, 1,900 filled: the keys are split into parts whose results are merged. Keys
     300-1,700 hidden (parts that see no key), or every cached key (only the last part's own key
-    is seen)."""
+    is seen). Head size 64 takes the decode path (keys across lanes), 20 the general one."""
     from jaxkv import attention
-    B, K, S, U, H = 1, 1, 2000, 1, 20
+    B, K, S, U = 1, 1, 2000, 1
     k = jax.random.split(jax.random.key(4), 5)
     q_BTNH = jax.random.normal(k[0], (B, 1, 3, H))
     kv = [jax.random.normal(k[i], shape).astype(dtype) for i, shape in

@@ -72,6 +72,16 @@ struct KeySet {
     rest.data = static_cast<const char*>(data) + s0 * H * (bf16 ? 2 : 4);
     return rest;
   }
+  // kLanes keys from key s of (row, kv head) bk, of which the first m < n - s are real, as
+  // float32 [kLanes, H] (H a multiple of kLanes): in place when float32 and whole, else
+  // converted or copied into buf, the rows past m zero.
+  const float* Block(int64_t bk, int64_t s, int64_t n, float* buf) const;
+  // f(those keys): a whole block of bfloat16 keys as their bits, read in place; else Block's.
+  template <typename F>
+  void With(int64_t bk, int64_t s, int64_t n, float* buf, const F& f) const {
+    if (bf16 && n - s >= kLanes) f(static_cast<const uint16_t*>(data) + (bk * S + s) * H);
+    else f(Block(bk, s, n, buf));
+  }
   // Starts fetching key j of (row, kv head) bk: into every cache level (kLevel 3) or L2 (2).
   template <int kLevel>
   void Fetch(int64_t bk, int64_t j) const {
@@ -107,19 +117,14 @@ inline void AddScaled(float w, const float* v, float* out, int64_t H) {
 }
 
 // A task's G T queries (query r = t G + g: token t, head g of the kv head's group) have their
-// scores and weights in lanes: [key, RP], query r in lane r of NR vectors, RP = NR kLanes. Up to
-// kFew queries (a decode step) score a key one query at a time with a sum across lanes: q and
-// the output are [query, H]. More lie across lanes in q and the output too ([H, RP]): a key's
-// scores for all of them are H multiply-adds of whole vectors with no sum across lanes, and a
-// value adds into all of them the same way.
-constexpr int64_t kFew = 4;
-
+// scores and weights in lanes: [key, RP], query r in lane r of NR vectors, RP = NR kLanes; q and
+// the output lie across lanes too ([H, RP]): a key's scores for all of them are H multiply-adds
+// of whole vectors with no sum across lanes, and a value adds into all of them the same way.
+// (A decode step's few queries take DecodeTask's path instead, keys across lanes.)
 template <int NR>
 struct Lanes {
   static constexpr int64_t kRP = NR * kLanes;
-  static constexpr int64_t Index(bool few, int64_t r, int64_t h, int64_t H) {
-    return few ? r * H + h : h * kRP + r;
-  }
+  static constexpr int64_t Index(int64_t r, int64_t h) { return h * kRP + r; }
 };
 
 // Scores of the n keys from `key` on (rows of scoresT) soft-capped, and -inf where the mask
@@ -163,7 +168,7 @@ constexpr int kSums = 8;
 #endif
 
 template <int NR>
-void Scores(const Shapes& d, bool few, const float* qs, const float* keys, int64_t n,
+void Scores(const Shapes& d, const float* qs, const float* keys, int64_t n,
             const bool* mask, int64_t stride, float* scoresT, const KeySet& ks,
             const KeySet& vs, int64_t bk) {
   constexpr int64_t RP = Lanes<NR>::kRP;
@@ -173,35 +178,29 @@ void Scores(const Shapes& d, bool few, const float* qs, const float* keys, int64
       ks.Fetch<3>(bk, std::min(j + kKeysAhead, n - 1));
       vs.Fetch<2>(bk, j);
     }
-    if (few) {
-      for (int64_t j = s; j < std::min(s + KB, n); ++j)
-        for (int64_t r = 0; r < d.G * d.T; ++r)
-          scoresT[j * RP + r] = Dot(qs + r * d.H, keys + j * d.H, d.H);
-    } else {
-      const float* key[KB];
+    const float* key[KB];
 #pragma GCC unroll 16
-      for (int j = 0; j < KB; ++j) key[j] = keys + std::min(s + j, n - 1) * d.H;
-      // Two vectors of queries at a time (one when NR is odd, last), KB keys broadcast.
-      auto pass = [&](int v, auto width) {
-        constexpr int P = decltype(width)::value;
-        f32xL acc[KB][P] = {};
-        for (int64_t h = 0; h < d.H; ++h) {
-          f32xL q[P];
+    for (int j = 0; j < KB; ++j) key[j] = keys + std::min(s + j, n - 1) * d.H;
+    // Two vectors of queries at a time (one when NR is odd, last), KB keys broadcast.
+    auto pass = [&](int v, auto width) {
+      constexpr int P = decltype(width)::value;
+      f32xL acc[KB][P] = {};
+      for (int64_t h = 0; h < d.H; ++h) {
+        f32xL q[P];
 #pragma GCC unroll 2
-          for (int p = 0; p < P; ++p) q[p] = load_f32(qs + h * RP + (v + p) * kLanes);
+        for (int p = 0; p < P; ++p) q[p] = load_f32(qs + h * RP + (v + p) * kLanes);
 #pragma GCC unroll 16
-          for (int j = 0; j < KB; ++j) {
-            f32xL k_h = splat(key[j][h]);
+        for (int j = 0; j < KB; ++j) {
+          f32xL k_h = splat(key[j][h]);
 #pragma GCC unroll 2
-            for (int p = 0; p < P; ++p) acc[j][p] += k_h * q[p];
-          }
+          for (int p = 0; p < P; ++p) acc[j][p] += k_h * q[p];
         }
-        for (int j = 0; j < KB && s + j < n; ++j)
-          std::memcpy(scoresT + (s + j) * RP + v * kLanes, acc[j], sizeof acc[j]);
-      };
-      for (int v = 0; v + 1 < NR; v += 2) pass(v, std::integral_constant<int, 2>{});
-      if (NR % 2) pass(NR - 1, std::integral_constant<int, 1>{});
-    }
+      }
+      for (int j = 0; j < KB && s + j < n; ++j)
+        std::memcpy(scoresT + (s + j) * RP + v * kLanes, acc[j], sizeof acc[j]);
+    };
+    for (int v = 0; v + 1 < NR; v += 2) pass(v, std::integral_constant<int, 2>{});
+    if (NR % 2) pass(NR - 1, std::integral_constant<int, 1>{});
     Finish<NR>(d, scoresT, s, std::min<int64_t>(KB, n - s), mask, stride);
   }
 }
@@ -244,41 +243,19 @@ void Softmax(float* scoresT, int64_t columns, float* top, float* total, float* r
 
 // The output summed so far (see Lanes) times each query's rescale.
 template <int NR>
-void Rescale(bool few, int64_t rows, int64_t H, const float* rescale, float* acc) {
+void Rescale(int64_t rows, int64_t H, const float* rescale, float* acc) {
   for (int64_t r = 0; r < rows; ++r)
     if (rescale[r] != 1.0f)
-      for (int64_t h = 0; h < H; ++h) acc[Lanes<NR>::Index(few, r, h, H)] *= rescale[r];
+      for (int64_t h = 0; h < H; ++h) acc[Lanes<NR>::Index(r, h)] *= rescale[r];
 }
 
 // The output (see Lanes) += the weights (weightsT [n, RP]) times n values (rows of H); a vector
 // of queries' lanes at a time, HB numbers of each value broadcast across them.
 template <int NR>
-void Values(const Shapes& d, bool few, const float* weightsT, const float* values, int64_t n,
+void Values(const Shapes& d, const float* weightsT, const float* values, int64_t n,
             float* acc_out) {
   constexpr int64_t RP = Lanes<NR>::kRP;
   int64_t H = d.H;
-  if (few) {  // every query's sums for kLanes of the H numbers in registers, value by value
-    // (adding into memory, each value waited on the store before it: 4,915 bfloat16 keys 431 ->
-    // 365 us a call, float32 462 -> 426)
-    int64_t rows = d.G * d.T, h = 0;
-    for (; h + kLanes <= H; h += kLanes) {
-      f32xL acc[kFew] = {};
-#pragma GCC unroll 4
-      for (int r = 0; r < kFew; ++r)
-        if (r < rows) acc[r] = load_f32(acc_out + r * H + h);
-      for (int64_t s = 0; s < n; ++s) {
-        f32xL value = load_f32(values + s * H + h);
-#pragma GCC unroll 4
-        for (int r = 0; r < kFew; ++r) acc[r] += splat(weightsT[s * RP + r]) * value;
-      }
-      for (int r = 0; r < rows; ++r) std::memcpy(acc_out + r * H + h, &acc[r], sizeof acc[r]);
-    }
-    for (; h < H; ++h)
-      for (int64_t s = 0; s < n; ++s)
-        for (int64_t r = 0; r < rows; ++r)
-          acc_out[r * H + h] += weightsT[s * RP + r] * values[s * H + h];
-    return;
-  }
   constexpr int HB = kSums;
   for (int64_t h0 = 0; h0 < H; h0 += HB) {
     int hb = std::min<int64_t>(HB, H - h0);  // the last block's numbers past H repeat its last
@@ -322,12 +299,11 @@ void Task(const Shapes& d, int64_t T_all, int64_t t0, const float* q, const KeyS
           float* lse) {
   constexpr int64_t RP = Lanes<NR>::kRP;
   int64_t rows = d.G * d.T, bk = b * d.K + kv;
-  bool few = rows <= kFew;
   std::vector<float> qs(d.H * RP, 0.0f), scoresT(kBlock * RP), acc(d.H * RP, 0.0f), buf;
   auto at = [&](int64_t r) { return (b * T_all + t0 + r / d.G) * d.N + kv * d.G + r % d.G; };
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t h = 0; h < d.H; ++h)
-      qs[Lanes<NR>::Index(few, r, h, d.H)] = q[at(r) * d.H + h] * d.scale;
+      qs[Lanes<NR>::Index(r, h)] = q[at(r) * d.H + h] * d.scale;
   alignas(64) float top[RP], total[RP] = {}, rescale[RP];
   std::fill(top, top + RP, -std::numeric_limits<float>::infinity());
   auto run = [&](const KeySet& ks, const KeySet& vs, const bool* keys_mask, int64_t stride,
@@ -337,11 +313,11 @@ void Task(const Shapes& d, int64_t T_all, int64_t t0, const float* q, const KeyS
     for (int64_t s0 = lo; s0 < n; s0 += kBlock) {
       int64_t m = std::min(kBlock, n - s0);
       KeySet kb = ks.From(s0), vb = vs.From(s0);
-      Scores<NR>(d, few, qs.data(), kb.Rows(bk, m, buf), m, tile_mask + s0, stride,
+      Scores<NR>(d, qs.data(), kb.Rows(bk, m, buf), m, tile_mask + s0, stride,
                  scoresT.data(), kb, vb, bk);
       Softmax<NR>(scoresT.data(), m, top, total, rescale);
-      Rescale<NR>(few, rows, d.H, rescale, acc.data());
-      Values<NR>(d, few, scoresT.data(), vb.Rows(bk, m, buf), m, acc.data());
+      Rescale<NR>(rows, d.H, rescale, acc.data());
+      Values<NR>(d, scoresT.data(), vb.Rows(bk, m, buf), m, acc.data());
     }
   };
   run(k, v, mask, d.S, lo, hi);
@@ -349,9 +325,218 @@ void Task(const Shapes& d, int64_t T_all, int64_t t0, const float* q, const KeyS
   for (int64_t r = 0; r < rows; ++r) {
     float inv = total[r] > 0 ? 1.0f / total[r] : 0.0f;
     for (int64_t h = 0; h < d.H; ++h)
-      out[at(r) * d.H + h] = acc[Lanes<NR>::Index(few, r, h, d.H)] * inv;
+      out[at(r) * d.H + h] = acc[Lanes<NR>::Index(r, h)] * inv;
     lse[at(r)] = total[r] > 0 ? top[r] + std::log(total[r])
                               : -std::numeric_limits<float>::infinity();
+  }
+}
+
+// ---- Decode steps: keys across lanes ----------------------------------------------------------
+// A decode step's queries (G T <= kFew of them, H a multiple of kLanes) score kLanes keys at a
+// time into one vector each, a key's products summed across lanes by SumAcross. Its running
+// softmax, mask and exponentials then take kLanes keys at once, and each value adds into every
+// query's output held in registers. (With one key at a time, each score summed across lanes
+// on its own and the softmax a key at a time, SmolLM2's decode attention ran at 21-25 GB/s of
+// keys and values in float32 and 12-13 in bfloat16 on a 2-core Zen 5.)
+constexpr int64_t kFew = 4;
+
+inline f32xL load_bf16(const uint16_t* p) {
+  typedef uint16_t u16xL __attribute__((vector_size(kLanes * 2)));
+  u16xL half;
+  std::memcpy(&half, p, sizeof half);
+  i32xL bits = __builtin_convertvector(half, i32xL) << 16;
+  f32xL v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline f32xL load_lanes(const float* p) { return load_f32(p); }
+inline f32xL load_lanes(const uint16_t* p) { return load_bf16(p); }
+
+const float* KeySet::Block(int64_t bk, int64_t s, int64_t n, float* buf) const {
+  int64_t m = std::min(kLanes, n - s);
+  if (!bf16 && m == kLanes) return static_cast<const float*>(data) + (bk * S + s) * H;
+  for (int64_t i = 0; i < m * H; i += kLanes) {
+    int64_t at = (bk * S + s) * H + i;
+    f32xL v = bf16 ? load_bf16(static_cast<const uint16_t*>(data) + at)
+                   : load_f32(static_cast<const float*>(data) + at);
+    std::memcpy(buf + i, &v, sizeof v);
+  }
+  std::fill(buf + m * H, buf + kLanes * H, 0.0f);
+  return buf;
+}
+
+// kLanes vectors -> one whose lane j is the sum of p[j]'s lanes: pairs of vectors halve their
+// lanes and double their count, four times (45 instructions, against ~8 a vector summed alone).
+inline f32xL SumAcross(f32xL* p) {
+  static_assert(kLanes == 16, "SumAcross's shuffles are for 16 lanes");
+  const i32xL lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i32xL lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i32xL lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i32xL lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  auto halve = [&](int count, i32xL lo, int width) {
+    for (int i = 0; i < count; ++i)
+      p[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], lo) +
+             __builtin_shuffle(p[2 * i], p[2 * i + 1], lo + width);
+  };
+  halve(8, lo1, 8);
+  halve(4, lo2, 4);
+  halve(2, lo3, 2);
+  halve(1, lo4, 1);
+  return p[0];
+}
+
+inline float max_lanes(f32xL v) {
+  const i32xL half = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  for (int width = 8; width >= 1; width /= 2) {
+    i32xL lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    f32xL other = __builtin_shuffle(v, lane ^ width);
+    v = v > other ? v : other;
+  }
+  return v[0];
+}
+
+// A running softmax's step: kSub vectors of kLanes keys (a block of kKeys): their keys are
+// scored, each vector's keys fetched into L1 while the vector before is scored and their values
+// into L2, for the block's pass over its values after the softmax.
+#ifdef SINGLE_MAX
+constexpr int kSub = SINGLE_MAX;
+#else
+constexpr int kSub = 8;
+#endif
+constexpr int64_t kKeys = kSub * kLanes;
+
+// Query r's scores of the kLanes keys [kLanes, H] (rows past m or hidden by `seen`: -inf),
+// soft-capped where softcap > 0.
+template <typename Key>
+f32xL ScoreLanes(const Shapes& d, const float* q_r, const Key* keys, int64_t m,
+                 const bool* seen) {
+  static const bool kAll[kLanes] = {true, true, true, true, true, true, true, true,
+                                    true, true, true, true, true, true, true, true};
+  f32xL p[kLanes] = {};
+  for (int64_t h = 0; h < d.H; h += kLanes) {
+    f32xL q_h = load_f32(q_r + h);
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) p[j] += q_h * load_lanes(keys + j * d.H + h);
+  }
+  f32xL score = SumAcross(p);
+  if (d.softcap > 0)
+    for (int j = 0; j < kLanes; ++j) score[j] = d.softcap * std::tanh(score[j] / d.softcap);
+  if (m < kLanes || std::memcmp(seen, kAll, kLanes))
+    for (int j = 0; j < kLanes; ++j)
+      if (j >= m || !seen[j]) score[j] = -std::numeric_limits<float>::infinity();
+  return score;
+}
+
+// The outputs acc [R, H] += the weights [R, kKeys] (from key column j0) times m values
+// [m, H]: every query's sums for G of the H / kLanes vectors of numbers in registers at once.
+template <int R, typename Value>
+void AddValues(int64_t H, const float (*weights)[kKeys], int64_t j0, const Value* values,
+               int64_t m, float* acc) {
+  constexpr int kGroup = R == 1 ? 8 : 12 / R;
+  for (int64_t h0 = 0; h0 < H; h0 += kGroup * kLanes) {
+    int g = std::min<int64_t>(kGroup, (H - h0) / kLanes);
+    f32xL sums[R][kGroup];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 12
+      for (int c = 0; c < kGroup; ++c)
+        if (c < g) sums[r][c] = load_f32(acc + r * H + h0 + c * kLanes);
+    for (int64_t j = 0; j < m; ++j) {
+      const Value* value = values + j * H + h0;
+#pragma GCC unroll 12
+      for (int c = 0; c < kGroup; ++c) {
+        if (c >= g) break;
+        f32xL v = load_lanes(value + c * kLanes);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) sums[r][c] += splat(weights[r][j0 + j]) * v;
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 12
+      for (int c = 0; c < kGroup; ++c)
+        if (c < g) std::memcpy(acc + r * H + h0 + c * kLanes, &sums[r][c], sizeof sums[r][c]);
+  }
+}
+
+// Starts fetching keys [s, e) of (row, kv head) bk, their rows contiguous, into every cache
+// level (kLevel 3) or L2 (2).
+template <int kLevel>
+void FetchKeys(const KeySet& ks, int64_t bk, int64_t s, int64_t e) {
+  int64_t bytes = ks.H * (ks.bf16 ? 2 : 4);
+  const char* at = static_cast<const char*>(ks.data) + (bk * ks.S + s) * bytes;
+  for (int64_t b = 0; b < (e - s) * bytes; b += 64) __builtin_prefetch(at + b, 0, kLevel);
+}
+
+// One (row b, kv head kv) of a decode step, its R = G T queries in one tile: a running softmax
+// over the cache's keys [lo, hi) that they read and then (if `own`) the call's own keys, kKeys
+// keys at a time.
+template <int R>
+void DecodeTask(const Shapes& d, const float* q, const KeySet& k, const KeySet& v,
+                const bool* mask, int64_t lo, int64_t hi, const KeySet& k_own,
+                const KeySet& v_own, const bool* own_mask, bool own, int64_t b, int64_t kv,
+                float* out, float* lse) {
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  int64_t H = d.H, bk = b * d.K + kv;
+  auto at = [&](int64_t r) { return (b * d.T + r / d.G) * d.N + kv * d.G + r % d.G; };
+  std::vector<float> qs(R * H), acc(R * H, 0.0f), kbuf(kLanes * H), vbuf(kLanes * H);
+  for (int r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h) qs[r * H + h] = q[at(r) * H + h] * d.scale;
+  alignas(64) float weights[R][kKeys];
+  float top[R], total[R] = {};
+  std::fill_n(top, R, minus_inf);
+  auto run = [&](const KeySet& ks, const KeySet& vs, const bool* keys_mask, int64_t stride,
+                 int64_t lo, int64_t hi) {
+    const bool* seen = keys_mask + b * d.T * stride;  // query r's: seen + r / G * stride
+    int64_t n = Read(seen, d.T, stride, lo, hi);
+    for (int64_t s = lo; s < n; s += kKeys) {
+      if (s == lo) FetchKeys<3>(ks, bk, s, std::min(n, s + kLanes));
+      int subs = int((std::min(kKeys, n - s) + kLanes - 1) / kLanes);
+      f32xL score[R][kSub];
+      for (int i = 0; i < subs; ++i) {
+        int64_t s_i = s + i * kLanes;
+        FetchKeys<3>(ks, bk, std::min(n, s_i + kLanes), std::min(n, s_i + 2 * kLanes));
+        FetchKeys<2>(vs, bk, s_i, std::min(n, s_i + kLanes));
+        ks.With(bk, s_i, n, kbuf.data(), [&](const auto* keys) {
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r)
+            score[r][i] = ScoreLanes(d, qs.data() + r * H, keys, std::min(kLanes, n - s_i),
+                                     seen + r / d.G * stride + s_i);
+        });
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        f32xL most = score[r][0], sum{};
+        for (int i = 1; i < subs; ++i) most = score[r][i] > most ? score[r][i] : most;
+        float new_top = std::max(top[r], max_lanes(most));
+        if (new_top > top[r] && top[r] > minus_inf) {
+          float rescale = std::exp(top[r] - new_top);
+          total[r] *= rescale;
+          for (int64_t h = 0; h < H; ++h) acc[r * H + h] *= rescale;
+        }
+        top[r] = new_top;
+        for (int i = 0; i < subs; ++i) {
+          f32xL w = new_top > minus_inf ? exp_lanes(score[r][i] - new_top) : f32xL{};
+          sum += w;
+          std::memcpy(weights[r] + i * kLanes, &w, sizeof w);
+        }
+        total[r] += sum_lanes(sum);
+      }
+      for (int i = 0; i < subs; ++i) {
+        int64_t s_i = s + i * kLanes;
+        vs.With(bk, s_i, n, vbuf.data(), [&](const auto* values) {
+          AddValues<R>(H, weights, i * kLanes, values, std::min(kLanes, n - s_i), acc.data());
+        });
+      }
+    }
+  };
+  run(k, v, mask, d.S, lo, hi);
+  if (own) run(k_own, v_own, own_mask, d.U, 0, d.U);
+  for (int r = 0; r < R; ++r) {
+    float inv = total[r] > 0 ? 1.0f / total[r] : 0.0f;
+    for (int64_t h = 0; h < H; ++h) out[at(r) * H + h] = acc[r * H + h] * inv;
+    lse[at(r)] = total[r] > 0 ? top[r] + std::log(total[r]) : minus_inf;
   }
 }
 
@@ -370,7 +555,8 @@ int64_t Parts(int64_t tasks, int64_t threads, int64_t keys) {
   threads = std::max<int64_t>(1, threads);
   if (tasks >= 2 * threads) return 1;
   int64_t wanted = (4 * threads + tasks - 1) / std::max<int64_t>(1, tasks);
-  return std::max<int64_t>(1, std::min(wanted, keys / kPartKeys));
+  int64_t parts = std::max<int64_t>(1, std::min(wanted, keys / kPartKeys));
+  return parts;
 }
 
 // out, lse [n, H], [n] from each part's (normalised) output and log-sum-exp: the parts'
@@ -444,6 +630,17 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   int64_t n_out = d.B * d.T * d.N;
   std::vector<float> part_out(parts > 1 ? parts * n_out * d.H : 0);
   std::vector<float> part_lse(parts > 1 ? parts * n_out : 0);
+  auto decode = [&](auto r) {
+    RunTasks(pool, tasks * parts, [&](int64_t c) {
+      int64_t p = c % parts, bk = c / parts;
+      float* o = parts > 1 ? part_out.data() + p * n_out * d.H : out->typed_data();
+      float* l = parts > 1 ? part_lse.data() + p * n_out : lse->typed_data();
+      DecodeTask<decltype(r)::value>(d, q.typed_data(), ks, vs, mask.typed_data(), p * span,
+                                     std::min(d.S_read, (p + 1) * span), ko, vo,
+                                     own_mask.typed_data(), p == parts - 1, bk / d.K, bk % d.K,
+                                     o, l);
+    });
+  };
   auto run = [&](auto nr) {
     RunTasks(pool, tasks * parts, [&](int64_t c) {
       int64_t p = c % parts, bk = c / parts / tiles, t0 = c / parts % tiles * tile;
@@ -456,11 +653,20 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
                                 own_mask.typed_data(), p == parts - 1, bk / d.K, bk % d.K, o, l);
     });
   };
-  switch ((d.G * tile + kLanes - 1) / kLanes) {
-    case 1: run(std::integral_constant<int, 1>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    default: run(std::integral_constant<int, 4>{});
+  if (d.G * d.T <= kFew && d.H % kLanes == 0) {
+    switch (d.G * d.T) {
+      case 1: decode(std::integral_constant<int, 1>{}); break;
+      case 2: decode(std::integral_constant<int, 2>{}); break;
+      case 3: decode(std::integral_constant<int, 3>{}); break;
+      default: decode(std::integral_constant<int, 4>{});
+    }
+  } else {
+    switch ((d.G * tile + kLanes - 1) / kLanes) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      default: run(std::integral_constant<int, 4>{});
+    }
   }
   if (parts > 1)
     Merge(parts, n_out, d.H, part_out.data(), part_lse.data(), out->typed_data(),
