@@ -11,7 +11,8 @@
 // Each (row, kv head, tile of tokens) is a task: the tile's tokens x the G = N / K query heads
 // (at most 64 queries; see Lanes for their layout) score the keys the tile reads, in float32 as
 // XLA's path does, with a running softmax over blocks of kBlock keys, so a tile early in a
-// prefill chunk stops where its tokens' keys end.
+// prefill chunk stops where its tokens' keys end. A decode step's few queries take DecodeTask
+// instead (keys across lanes).
 // A 4 x 9-node tree pass of SmolLM2 at position 250, same process: 404 -> 139-170 us a call (30
 // calls a pass, 78.5 -> 73.2 ms the pass), a one-row decode step even (25-29 us against 28).
 // A 256-token chunk over 4,096 cached keys (SmolLM2's heads), 2-core Zen 4: 16.6-19.7 ms
@@ -82,12 +83,13 @@ struct KeySet {
     if (bf16 && n - s >= kLanes) f(static_cast<const uint16_t*>(data) + (bk * S + s) * H);
     else f(Block(bk, s, n, buf));
   }
-  // Starts fetching key j of (row, kv head) bk: into every cache level (kLevel 3) or L2 (2).
+  // Starts fetching keys [s, e) of (row, kv head) bk (their rows contiguous): into every
+  // cache level (kLevel 3) or L2 (2).
   template <int kLevel>
-  void Fetch(int64_t bk, int64_t j) const {
+  void Fetch(int64_t bk, int64_t s, int64_t e) const {
     int64_t bytes = H * (bf16 ? 2 : 4);
-    const char* at = static_cast<const char*>(data) + (bk * S + j) * bytes;
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(at + b, 0, kLevel);
+    const char* at = static_cast<const char*>(data) + (bk * S + s) * bytes;
+    for (int64_t b = 0; b < (e - s) * bytes; b += 64) __builtin_prefetch(at + b, 0, kLevel);
   }
 };
 
@@ -175,8 +177,9 @@ void Scores(const Shapes& d, const float* qs, const float* keys, int64_t n,
   constexpr int KB = kSums / 2;
   for (int64_t s = 0; s < n; s += KB) {
     for (int64_t j = s; j < std::min(s + KB, n); ++j) {
-      ks.Fetch<3>(bk, std::min(j + kKeysAhead, n - 1));
-      vs.Fetch<2>(bk, j);
+      int64_t ahead = std::min(j + kKeysAhead, n - 1);
+      ks.Fetch<3>(bk, ahead, ahead + 1);
+      vs.Fetch<2>(bk, j, j + 1);
     }
     const float* key[KB];
 #pragma GCC unroll 16
@@ -386,10 +389,10 @@ inline f32xL SumAcross(f32xL* p) {
   return p[0];
 }
 
+// The largest of v's lanes: each lane against the lane 8, 4, 2 and 1 away.
 inline float max_lanes(f32xL v) {
-  const i32xL half = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const i32xL lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int width = 8; width >= 1; width /= 2) {
-    i32xL lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     f32xL other = __builtin_shuffle(v, lane ^ width);
     v = v > other ? v : other;
   }
@@ -460,15 +463,6 @@ void AddValues(int64_t H, const float (*weights)[kKeys], int64_t j0, const Value
   }
 }
 
-// Starts fetching keys [s, e) of (row, kv head) bk, their rows contiguous, into every cache
-// level (kLevel 3) or L2 (2).
-template <int kLevel>
-void FetchKeys(const KeySet& ks, int64_t bk, int64_t s, int64_t e) {
-  int64_t bytes = ks.H * (ks.bf16 ? 2 : 4);
-  const char* at = static_cast<const char*>(ks.data) + (bk * ks.S + s) * bytes;
-  for (int64_t b = 0; b < (e - s) * bytes; b += 64) __builtin_prefetch(at + b, 0, kLevel);
-}
-
 // One (row b, kv head kv) of a decode step, its R = G T queries in one tile: a running softmax
 // over the cache's keys [lo, hi) that they read and then (if `own`) the call's own keys, kKeys
 // keys at a time.
@@ -491,13 +485,13 @@ void DecodeTask(const Shapes& d, const float* q, const KeySet& k, const KeySet& 
     const bool* seen = keys_mask + b * d.T * stride;  // query r's: seen + r / G * stride
     int64_t n = Read(seen, d.T, stride, lo, hi);
     for (int64_t s = lo; s < n; s += kKeys) {
-      if (s == lo) FetchKeys<3>(ks, bk, s, std::min(n, s + kLanes));
+      if (s == lo) ks.Fetch<3>(bk, s, std::min(n, s + kLanes));
       int subs = int((std::min(kKeys, n - s) + kLanes - 1) / kLanes);
       f32xL score[R][kSub];
       for (int i = 0; i < subs; ++i) {
         int64_t s_i = s + i * kLanes;
-        FetchKeys<3>(ks, bk, std::min(n, s_i + kLanes), std::min(n, s_i + 2 * kLanes));
-        FetchKeys<2>(vs, bk, s_i, std::min(n, s_i + kLanes));
+        ks.Fetch<3>(bk, std::min(n, s_i + kLanes), std::min(n, s_i + 2 * kLanes));
+        vs.Fetch<2>(bk, s_i, std::min(n, s_i + kLanes));
         ks.With(bk, s_i, n, kbuf.data(), [&](const auto* keys) {
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r)
@@ -543,12 +537,10 @@ void DecodeTask(const Shapes& d, const float* q, const KeySet& k, const KeySet& 
 // Parts each task's cache keys are split into: with fewer tasks than twice the threads (a
 // decode step: a row's kv heads) and keys to spare, enough parts of at least kPartKeys keys to
 // give every thread work (3 tasks on 2 threads leave one idle a third of the time). SmolLM2's
-// decode attention (3 kv heads, G 3, one row), 2-core Zen 4, old and new builds alternating,
-// with the value loop below: float32 at position 96 of 160 slots 9.6-13.6 -> 8.0 us a call,
-// 614 of 1,024 62-66 -> 43-46 us, 4,915 of 8,192 532-534 -> 430-435 us; bfloat16 at 4,915
-// 522-538 -> 354-375 us. The split alone (before the value loop): 614 keys 55 -> 44 us; whole
-// decode steps at capacity 8,192, split or not in one process: float32 at position 512 / 2,048
-// / 6,000 1.16x / 1.21x / 1.08x faster, bfloat16 1.02x / 1.05x / 1.11x.
+// decode attention (3 kv heads, G 3, one row), 2-core Zen 4, with the decode path before
+// DecodeTask, split or not: 614 keys 55 -> 44 us a call; whole decode steps at capacity 8,192
+// in one process: float32 at position 512 / 2,048 / 6,000 1.16x / 1.21x / 1.08x faster,
+// bfloat16 1.02x / 1.05x / 1.11x.
 constexpr int64_t kPartKeys = 256;
 
 int64_t Parts(int64_t tasks, int64_t threads, int64_t keys) {
