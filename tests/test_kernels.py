@@ -174,17 +174,19 @@ def attention_case(H, dtype, key=0, T=3, N=4, S=37):
     (16, jnp.bfloat16, 5.0, None, 11, 8, 37), (24, jnp.float32, None, None, 16, 8, 37),
     (24, jnp.float32, None, None, 50, 6, 777), (16, jnp.bfloat16, 5.0, None, 70, 2, 300),
     (64, jnp.float32, None, None, 1, 6, 300), (64, jnp.bfloat16, 5.0, None, 2, 4, 77),
-    (128, jnp.float32, None, None, 1, 2, 40), (32, jnp.bfloat16, None, 180, 1, 8, 200)],
+    (128, jnp.float32, None, None, 1, 2, 40), (32, jnp.bfloat16, None, 180, 1, 8, 200),
+    (64, jnp.bfloat16, None, None, 1, 14, 150), (32, jnp.float32, 5.0, None, 2, 8, 90)],
     ids=["float32", "tail_softcap_kv_len", "bfloat16", "27_queries", "44_queries", "64_queries",
          "3_tiles_3_blocks", "2_tiles_2_blocks_bfloat16", "decode_3_queries",
-         "decode_4_queries_bfloat16_softcap", "decode_1_query_128", "decode_4_queries_bfloat16"])
+         "decode_4_queries_bfloat16_softcap", "decode_1_query_128", "decode_4_queries_bfloat16",
+         "decode_7_queries_bfloat16", "decode_8_queries_softcap"])
 @on_the_cpu
 def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N, S):
     """Output and log-sum-exp against XLA's attention (a query that sees no key: 0 and -inf),
     with head sizes that are not a whole vector, soft-capping, a kv_len bound, bfloat16 keys,
     6 to 64 queries per kv head (1 to 4 vectors of them), and more queries than a tile holds
     (64: a prefill chunk) over more keys than a block (256) holds; and a decode step's path (at
-    most 4 queries per kv head, whole vectors of head size: keys across lanes) for 1 to 4
+    most 8 queries per kv head, whole vectors of head size: keys across lanes) for 1 to 8
     queries, over keys that end inside a vector and a block; its derivative is XLA's."""
     from jaxkv import attention
     q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, dtype, T=T, N=N, S=S)

@@ -340,8 +340,10 @@ void Task(const Shapes& d, int64_t T_all, int64_t t0, const float* q, const KeyS
 // softmax, mask and exponentials then take kLanes keys at once, and each value adds into every
 // query's output held in registers. (With one key at a time, each score summed across lanes
 // on its own and the softmax a key at a time, SmolLM2's decode attention ran at 21-25 GB/s of
-// keys and values in float32 and 12-13 in bfloat16 on a 2-core Zen 5.)
-constexpr int64_t kFew = 4;
+// keys and values in float32 and 12-13 in bfloat16 on a 2-core Zen 5.) Up to 8 queries: 7 (a
+// Qwen2.5-0.5B-shaped kv head, head size 64) took 0.73-0.95 of the general path's time, from
+// memory, at 96 to 2,000 keys.
+constexpr int64_t kFew = 8;
 
 inline f32xL load_bf16(const uint16_t* p) {
   typedef uint16_t u16xL __attribute__((vector_size(kLanes * 2)));
@@ -440,7 +442,7 @@ void AddValues(int64_t H, const float (*weights)[kKeys], int64_t j0, const Value
   for (int64_t h0 = 0; h0 < H; h0 += kGroup * kLanes) {
     int g = std::min<int64_t>(kGroup, (H - h0) / kLanes);
     f32xL sums[R][kGroup];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 12
       for (int c = 0; c < kGroup; ++c)
@@ -451,11 +453,11 @@ void AddValues(int64_t H, const float (*weights)[kKeys], int64_t j0, const Value
       for (int c = 0; c < kGroup; ++c) {
         if (c >= g) break;
         f32xL v = load_lanes(value + c * kLanes);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) sums[r][c] += splat(weights[r][j0 + j]) * v;
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 12
       for (int c = 0; c < kGroup; ++c)
@@ -493,13 +495,13 @@ void DecodeTask(const Shapes& d, const float* q, const KeySet& k, const KeySet& 
         ks.Fetch<3>(bk, std::min(n, s_i + kLanes), std::min(n, s_i + 2 * kLanes));
         vs.Fetch<2>(bk, s_i, std::min(n, s_i + kLanes));
         ks.With(bk, s_i, n, kbuf.data(), [&](const auto* keys) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int r = 0; r < R; ++r)
             score[r][i] = ScoreLanes(d, qs.data() + r * H, keys, std::min(kLanes, n - s_i),
                                      seen + r / d.G * stride + s_i);
         });
       }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         f32xL most = score[r][0], sum{};
         for (int i = 1; i < subs; ++i) most = score[r][i] > most ? score[r][i] : most;
@@ -650,7 +652,11 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
       case 1: decode(std::integral_constant<int, 1>{}); break;
       case 2: decode(std::integral_constant<int, 2>{}); break;
       case 3: decode(std::integral_constant<int, 3>{}); break;
-      default: decode(std::integral_constant<int, 4>{});
+      case 4: decode(std::integral_constant<int, 4>{}); break;
+      case 5: decode(std::integral_constant<int, 5>{}); break;
+      case 6: decode(std::integral_constant<int, 6>{}); break;
+      case 7: decode(std::integral_constant<int, 7>{}); break;
+      default: decode(std::integral_constant<int, 8>{});
     }
   } else {
     switch ((d.G * tile + kLanes - 1) / kLanes) {
