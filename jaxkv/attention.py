@@ -31,12 +31,13 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
     or None), e.g. the call's own tokens, attended together with the first. A query with no
     visible key gets output 0 and lse -inf, never NaN. softcap (optional): scaled scores s
     become softcap * tanh(s / softcap). On the CPU, queries with own keys and no bias (a decode
-    step, a tree pass, a prefill chunk) over a float32 or bfloat16 cache go to
-    jaxkv.kernels.attend.
+    step, a tree pass, a prefill chunk) over a float32 or bfloat16 cache, and a decode step's
+    over an Int8KV one (kernels.attend_fits), go to jaxkv.kernels.attend.
     """
     if (own is not None and bias_BNTS is None and own[3] is None
             and kernels.attend_fits(q_BTNH, k_BKSH)):
         S, bounded = k_BKSH.shape[2], kv_len is not None
+        own = _own_as_cache(k_BKSH, own)
 
         def xla(q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH, v_BKUH, mask_BTU, kv_len):
             return _attend_parts_xla(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, None,
@@ -50,8 +51,7 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
 
 def _attend_parts_xla(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own, softcap):
     """attend_parts in XLA's operations."""
-    if own is not None and isinstance(k_BKSH, Int8KV):
-        own = (quantize_kv(own[0]), quantize_kv(own[1]), *own[2:])
+    own = _own_as_cache(k_BKSH, own)
     keys = [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS)] + ([] if own is None else [own])
     S = k_BKSH.shape[2]
     if kv_len is None or bias_BNTS is not None or S <= BLOCK:
@@ -64,6 +64,13 @@ def _attend_parts_xla(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len
         return blocks()
     dense = functools.partial(_attend_dense, q_BTNH, keys, scale, softcap)
     return jax.lax.cond(3 * kv_len > S, dense, blocks)
+
+
+def _own_as_cache(k_BKSH, own):
+    """The own keys and values as the cache will hold them: quantized where it is an Int8KV."""
+    if own is None or not isinstance(k_BKSH, Int8KV) or isinstance(own[0], Int8KV):
+        return own
+    return (quantize_kv(own[0]), quantize_kv(own[1]), *own[2:])
 
 
 def _attend_dense(q_BTNH, keys, scale, softcap=None):

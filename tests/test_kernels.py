@@ -209,6 +209,34 @@ def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N, S):
                                jax.grad(loss(attention._attend_parts_xla))(q_BTNH), atol=1e-5)
 
 
+@pytest.mark.parametrize("H,softcap,kv_len,T,N,S", [
+    (64, None, None, 1, 6, 150), (32, 5.0, 100, 2, 8, 130), (16, None, None, 1, 16, 40)],
+    ids=["3_queries", "8_queries_softcap_kv_len", "8_queries_head_16"])
+@on_the_cpu
+def test_attention_kernel_reads_an_int8_cache(H, softcap, kv_len, T, N, S):
+    """A decode step over an Int8KV cache goes to the kernel's int8 entry (the scales multiply
+    the scores and the weights; the own keys are quantized as the cache will hold them), equal
+    to XLA's attention over the same int8 numbers; a query that sees no key gets 0 and -inf.
+    More queries per kv head than the decode path takes stay with XLA."""
+    from jaxkv import attention
+    from jaxkv.cache import quantize_kv
+    q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, jnp.float32, T=T, N=N,
+                                                                      S=S)
+    if kv_len is not None:
+        mask_BTS = mask_BTS & (jnp.arange(S) < kv_len)
+    k, v, own = quantize_kv(k), quantize_kv(v), (k_own, v_own, mask_BTU, None)
+    call = lambda f: jax.jit(lambda q: f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
+                                         softcap))
+    assert "@jaxkv_attend_int8(" in call(attention.attend_parts).lower(q_BTNH).as_text()
+    (out, lse), (want, want_lse) = (call(f)(q_BTNH) for f in (attention.attend_parts,
+                                                              attention._attend_parts_xla))
+    np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=2e-5)
+    assert np.isneginf(lse[1, 0]).all() and (out[1, 0] == 0).all()
+    many_BTNH = jnp.tile(q_BTNH, (1, 5, 1, 1))
+    assert not kernels.attend_fits(many_BTNH, k)
+
+
 @pytest.mark.parametrize("dtype,seen,H", [(jnp.float32, "gap", 20), (jnp.bfloat16, "gap", 20),
                                           (jnp.float32, "own only", 20), (jnp.float32, "gap", 64),
                                           (jnp.bfloat16, "own only", 64)])

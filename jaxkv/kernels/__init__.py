@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import quant
-from jaxkv.cache import HalfKV
+from jaxkv.cache import HalfKV, Int8KV
 
 # Up to this many rows of x go to the kernel, by weight format; more (a prefill) to XLA's GEMM.
 # scripts/bench_kernels.py, SmolLM2's step products, 2-core Xeon: float32 1.18x XLA at 1 row,
@@ -48,6 +48,9 @@ OUTER_ROWS = 16
 # for any number of tokens: it takes a call's queries in tiles of at most this many (a tile's
 # tokens x the query heads sharing a kv head).
 ATTEND_ROWS = 64
+# A decode step's queries, up to this many per kv head with a head size of whole 16-lane vectors,
+# take attend.cc's decode path (DecodeTask), the only one that reads an int8 cache (Int8KV).
+DECODE_ROWS = 8
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("dense.cc", "attend.cc"))
 HEADER = Path(__file__).with_name("common.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -70,7 +73,8 @@ def registered() -> bool:
         warnings.warn(f"jaxkv: CPU product kernels unavailable, using XLA's ({e})", stacklevel=2)
         return False
     for name, symbol in (("jaxkv_dense", "JaxkvDense"), ("jaxkv_dense_t", "JaxkvDenseT"),
-                         ("jaxkv_dense_int8", "JaxkvDenseInt8"), ("jaxkv_attend", "JaxkvAttend")):
+                         ("jaxkv_dense_int8", "JaxkvDenseInt8"), ("jaxkv_attend", "JaxkvAttend"),
+                         ("jaxkv_attend_int8", "JaxkvAttendInt8")):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
                                     platform="cpu")
     return True
@@ -174,9 +178,14 @@ def _dense_int8_jvp(primals, tangents):  # int8 weights are constants: only x mo
 
 
 def attend_fits(q_BTNH, k_BKSH) -> bool:
-    """Whether attend takes these queries and cache keys (float32 or bfloat16, an array or
-    HalfKV; not Int8KV): any number of tokens, at most ATTEND_ROWS query heads per kv head."""
-    G = q_BTNH.shape[2] // k_BKSH.shape[1]
+    """Whether attend takes these queries and cache keys: float32 or bfloat16 (an array or
+    HalfKV) for any number of tokens and at most ATTEND_ROWS query heads per kv head; Int8KV
+    for at most DECODE_ROWS tokens x query heads per kv head (a decode step) with a head size
+    that is a multiple of 16."""
+    _, T, N, H = q_BTNH.shape
+    G = N // k_BKSH.shape[1]
+    if isinstance(k_BKSH, Int8KV):
+        return T * G <= DECODE_ROWS and H % 16 == 0 and enabled()
     return (getattr(k_BKSH, "dtype", None) in (jnp.float32, jnp.bfloat16) and G <= ATTEND_ROWS
             and enabled())
 
@@ -186,16 +195,19 @@ def attend(xla, scale: float, softcap, q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH,
            mask_BTU, kv_len):
     """Softmax attention of q over the cache's keys (those below kv_len that mask_BTS allows) and
     the call's own keys (mask_BTU) together: (output [B, T, N, H], log-sum-exp [B, T, N]), both
-    float32. The kernel on the CPU; xla(q, k, v, mask, k_own, v_own, own_mask, kv_len), the same
-    attention in XLA, on other platforms and for derivatives."""
+    float32. Int8KV keys and values (cache and own alike): their int8 numbers and scales. The
+    kernel on the CPU; xla(q, k, v, mask, k_own, v_own, own_mask, kv_len), the same attention in
+    XLA, on other platforms and for derivatives."""
     def kernel(q_BTNH, *rest):
         B, T, N, H = q_BTNH.shape
         result = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),
                   jax.ShapeDtypeStruct((B, T, N), jnp.float32))
         *keys, kv_len = rest
+        int8 = isinstance(keys[0], Int8KV)
         keys = [x.bits if isinstance(x, HalfKV) else x for x in keys]  # bfloat16's bits as they are
-        return jax.ffi.ffi_call("jaxkv_attend", result, vmap_method="sequential")(
-            q_BTNH.astype(jnp.float32), *keys, jnp.asarray(kv_len, jnp.int32),
+        return jax.ffi.ffi_call("jaxkv_attend_int8" if int8 else "jaxkv_attend", result,
+                                vmap_method="sequential")(
+            q_BTNH.astype(jnp.float32), *jax.tree.leaves(keys), jnp.asarray(kv_len, jnp.int32),
             scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
     return jax.lax.platform_dependent(q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH, v_BKUH, mask_BTU,
                                       kv_len, cpu=kernel, default=xla)

@@ -56,12 +56,14 @@ inline f32xL exp_lanes(f32xL x) {
 // Keys or values [B, K, S, H] of one dtype.
 struct KeySet {
   const void* data;
-  bool bf16;
+  int bytes;             // per number: 4 float32, 2 bfloat16 (their bits), 1 int8
+  const float* scale;    // int8: one scale per key [B, K, S] (x ~= q * scale); else null
   int64_t S, H;
-  // The first n keys of (row, kv head) bk as n x H float32s: in place, or converted into buf.
+  // The first n keys of (row, kv head) bk as n x H float32s (float32 or bfloat16 keys): in
+  // place, or converted into buf.
   const float* Rows(int64_t bk, int64_t n, std::vector<float>& buf) const {
     int64_t at = bk * S * H;
-    if (!bf16) return static_cast<const float*>(data) + at;
+    if (bytes == 4) return static_cast<const float*>(data) + at;
     const uint16_t* src = static_cast<const uint16_t*>(data) + at;
     buf.resize(n * H);
     for (int64_t i = 0; i < n * H; ++i) buf[i] = bf16_to_f32(src[i]);
@@ -70,26 +72,35 @@ struct KeySet {
   // The same keys from key s0 on.
   KeySet From(int64_t s0) const {
     KeySet rest = *this;
-    rest.data = static_cast<const char*>(data) + s0 * H * (bf16 ? 2 : 4);
+    rest.data = static_cast<const char*>(data) + s0 * H * bytes;
     return rest;
   }
   // kLanes keys from key s of (row, kv head) bk, of which the first m < n - s are real, as
-  // float32 [kLanes, H] (H a multiple of kLanes): in place when float32 and whole, else
-  // converted or copied into buf, the rows past m zero.
+  // float32 [kLanes, H] (H a multiple of kLanes; int8 ones unscaled): in place when float32
+  // and whole, else converted or copied into buf, the rows past m zero.
   const float* Block(int64_t bk, int64_t s, int64_t n, float* buf) const;
-  // f(those keys): a whole block of bfloat16 keys as their bits, read in place; else Block's.
+  // f(those keys): a whole block of bfloat16 or int8 keys read in place (bfloat16 as their
+  // bits); else Block's.
   template <typename F>
   void With(int64_t bk, int64_t s, int64_t n, float* buf, const F& f) const {
-    if (bf16 && n - s >= kLanes) f(static_cast<const uint16_t*>(data) + (bk * S + s) * H);
-    else f(Block(bk, s, n, buf));
+    int64_t at = (bk * S + s) * H;
+    if (n - s < kLanes || bytes == 4) f(Block(bk, s, n, buf));
+    else if (bytes == 2) f(static_cast<const uint16_t*>(data) + at);
+    else f(static_cast<const int8_t*>(data) + at);
+  }
+  // The scales of kLanes keys from key s of bk, 0 past key n (int8 keys only).
+  f32xL Scales(int64_t bk, int64_t s, int64_t n) const {
+    if (n - s >= kLanes) return load_f32(scale + bk * S + s);
+    f32xL out{};
+    for (int64_t j = 0; j < n - s; ++j) out[j] = scale[bk * S + s + j];
+    return out;
   }
   // Starts fetching keys [s, e) of (row, kv head) bk (their rows contiguous): into every
   // cache level (kLevel 3) or L2 (2).
   template <int kLevel>
   void Fetch(int64_t bk, int64_t s, int64_t e) const {
-    int64_t bytes = H * (bf16 ? 2 : 4);
-    const char* at = static_cast<const char*>(data) + (bk * S + s) * bytes;
-    for (int64_t b = 0; b < (e - s) * bytes; b += 64) __builtin_prefetch(at + b, 0, kLevel);
+    const char* at = static_cast<const char*>(data) + (bk * S + s) * H * bytes;
+    for (int64_t b = 0; b < (e - s) * H * bytes; b += 64) __builtin_prefetch(at + b, 0, kLevel);
   }
 };
 
@@ -357,14 +368,15 @@ inline f32xL load_bf16(const uint16_t* p) {
 
 inline f32xL load_lanes(const float* p) { return load_f32(p); }
 inline f32xL load_lanes(const uint16_t* p) { return load_bf16(p); }
+inline f32xL load_lanes(const int8_t* p) { return int8_lanes(p); }
 
 const float* KeySet::Block(int64_t bk, int64_t s, int64_t n, float* buf) const {
-  int64_t m = std::min(kLanes, n - s);
-  if (!bf16 && m == kLanes) return static_cast<const float*>(data) + (bk * S + s) * H;
+  int64_t m = std::min(kLanes, n - s), at = (bk * S + s) * H;
+  if (bytes == 4 && m == kLanes) return static_cast<const float*>(data) + at;
   for (int64_t i = 0; i < m * H; i += kLanes) {
-    int64_t at = (bk * S + s) * H + i;
-    f32xL v = bf16 ? load_bf16(static_cast<const uint16_t*>(data) + at)
-                   : load_f32(static_cast<const float*>(data) + at);
+    f32xL v = bytes == 4 ? load_f32(static_cast<const float*>(data) + at + i)
+              : bytes == 2 ? load_bf16(static_cast<const uint16_t*>(data) + at + i)
+                           : int8_lanes(static_cast<const int8_t*>(data) + at + i);
     std::memcpy(buf + i, &v, sizeof v);
   }
   std::fill(buf + m * H, buf + kLanes * H, 0.0f);
@@ -412,10 +424,10 @@ constexpr int kSub = 8;
 constexpr int64_t kKeys = kSub * kLanes;
 
 // Query r's scores of the kLanes keys [kLanes, H] (rows past m or hidden by `seen`: -inf),
-// soft-capped where softcap > 0.
+// times the keys' scales where given (int8 keys), soft-capped where softcap > 0.
 template <typename Key>
-f32xL ScoreLanes(const Shapes& d, const float* q_r, const Key* keys, int64_t m,
-                 const bool* seen) {
+f32xL ScoreLanes(const Shapes& d, const float* q_r, const Key* keys, const f32xL* scales,
+                 int64_t m, const bool* seen) {
   static const bool kAll[kLanes] = {true, true, true, true, true, true, true, true,
                                     true, true, true, true, true, true, true, true};
   f32xL p[kLanes] = {};
@@ -425,6 +437,7 @@ f32xL ScoreLanes(const Shapes& d, const float* q_r, const Key* keys, int64_t m,
     for (int j = 0; j < kLanes; ++j) p[j] += q_h * load_lanes(keys + j * d.H + h);
   }
   f32xL score = SumAcross(p);
+  if (scales) score *= *scales;
   if (d.softcap > 0)
     for (int j = 0; j < kLanes; ++j) score[j] = d.softcap * std::tanh(score[j] / d.softcap);
   if (m < kLanes || std::memcmp(seen, kAll, kLanes))
@@ -494,11 +507,12 @@ void DecodeTask(const Shapes& d, const float* q, const KeySet& k, const KeySet& 
         int64_t s_i = s + i * kLanes;
         ks.Fetch<3>(bk, std::min(n, s_i + kLanes), std::min(n, s_i + 2 * kLanes));
         vs.Fetch<2>(bk, s_i, std::min(n, s_i + kLanes));
+        f32xL scales = ks.scale ? ks.Scales(bk, s_i, n) : f32xL{};
         ks.With(bk, s_i, n, kbuf.data(), [&](const auto* keys) {
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r)
-            score[r][i] = ScoreLanes(d, qs.data() + r * H, keys, std::min(kLanes, n - s_i),
-                                     seen + r / d.G * stride + s_i);
+            score[r][i] = ScoreLanes(d, qs.data() + r * H, keys, ks.scale ? &scales : nullptr,
+                                     std::min(kLanes, n - s_i), seen + r / d.G * stride + s_i);
         });
       }
 #pragma GCC unroll 8
@@ -521,6 +535,13 @@ void DecodeTask(const Shapes& d, const float* q, const KeySet& k, const KeySet& 
       }
       for (int i = 0; i < subs; ++i) {
         int64_t s_i = s + i * kLanes;
+        if (vs.scale) {  // int8 values: their scales multiply the weights
+          f32xL scales = vs.Scales(bk, s_i, n);
+          for (int r = 0; r < R; ++r) {
+            f32xL w = load_f32(weights[r] + i * kLanes) * scales;
+            std::memcpy(weights[r] + i * kLanes, &w, sizeof w);
+          }
+        }
         vs.With(bk, s_i, n, vbuf.data(), [&](const auto* values) {
           AddValues<R>(H, weights, i * kLanes, values, std::min(kLanes, n - s_i), acc.data());
         });
@@ -578,41 +599,43 @@ void Merge(int64_t parts, int64_t n, int64_t H, const float* part_out, const flo
 }
 
 // uint16 keys or values are bfloat16 numbers' bits, as a bfloat16 cache holds them (HalfKV).
-bool BF16Keys(const ffi::AnyBuffer& x) {
-  return x.element_type() == ffi::BF16 || x.element_type() == ffi::U16;
-}
-
-KeySet Keys(const ffi::AnyBuffer& x) {
+// Keys or values [B, K, S, H]: float32, bfloat16 (or uint16: a bfloat16 cache's bits, HalfKV)
+// or int8 (with `scale`, Int8KV's); 0 bytes a number for anything else.
+KeySet Keys(const ffi::AnyBuffer& x, const float* scale = nullptr) {
   auto dims = x.dimensions();
-  return KeySet{x.untyped_data(), BF16Keys(x), dims[2], dims[3]};
+  auto type = x.element_type();
+  int bytes = type == ffi::F32 ? 4 : type == ffi::BF16 || type == ffi::U16 ? 2
+              : type == ffi::S8 ? 1 : 0;
+  if (dims.size() != 4) return KeySet{nullptr, 0, nullptr, 0, 0};
+  return KeySet{x.untyped_data(), bytes, scale, dims[2], dims[3]};
 }
 
-bool FloatKeys(const ffi::AnyBuffer& x) {
-  return x.dimensions().size() == 4 && (x.element_type() == ffi::F32 || BF16Keys(x));
-}
+// Whether the queries' shapes take DecodeTask: at most kFew per kv head, whole vectors of H.
+bool DecodeShapes(const Shapes& d) { return d.G * d.T <= kFew && d.H % kLanes == 0; }
 
-ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                      ffi::AnyBuffer v, ffi::Buffer<ffi::PRED> mask, ffi::AnyBuffer k_own,
-                      ffi::AnyBuffer v_own, ffi::Buffer<ffi::PRED> own_mask,
-                      ffi::Buffer<ffi::S32> kv_len, float scale, float softcap,
-                      ffi::Result<ffi::Buffer<ffi::F32>> out,
-                      ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+ffi::Error Attend(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const KeySet& ks,
+                  const KeySet& vs, const ffi::Buffer<ffi::PRED>& mask, const KeySet& ko,
+                  const KeySet& vo, const ffi::Buffer<ffi::PRED>& own_mask, int64_t K,
+                  int64_t kv_len, float scale, float softcap, float* out, float* lse) {
   auto qd = q.dimensions();
-  if (qd.size() != 4 || !FloatKeys(k) || !FloatKeys(v) || !FloatKeys(k_own) || !FloatKeys(v_own))
-    return ffi::Error::InvalidArgument(
-        "jaxkv attend: q must be [B, T, N, H], keys and values float32 or bfloat16 [B, K, S, H]");
+  if (qd.size() != 4)
+    return ffi::Error::InvalidArgument("jaxkv attend: q must be [B, T, N, H]");
   Shapes d;
   d.B = qd[0], d.T = qd[1], d.N = qd[2], d.H = qd[3];
-  d.K = k.dimensions()[1], d.S = k.dimensions()[2], d.U = k_own.dimensions()[2];
-  if (d.K < 1 || d.N % d.K || k.dimensions()[3] != d.H || k_own.dimensions()[3] != d.H ||
-      mask.dimensions()[2] != d.S || own_mask.dimensions()[2] != d.U)
+  d.K = K, d.S = ks.S, d.U = ko.S;
+  if (d.K < 1 || d.N % d.K || ks.H != d.H || vs.H != d.H || ko.H != d.H || vo.H != d.H ||
+      vs.S != d.S || vo.S != d.U || mask.dimensions()[2] != d.S ||
+      own_mask.dimensions()[2] != d.U)
     return ffi::Error::InvalidArgument("jaxkv attend: shapes do not agree");
   d.G = d.N / d.K;
   if (d.G > 4 * kLanes)
     return ffi::Error::InvalidArgument("jaxkv attend: at most 64 query heads per kv head");
-  d.S_read = std::max<int64_t>(0, std::min<int64_t>(d.S, kv_len.typed_data()[0]));
+  bool int8 = ks.bytes == 1 || vs.bytes == 1 || ko.bytes == 1 || vo.bytes == 1;
+  if (int8 && !DecodeShapes(d))
+    return ffi::Error::InvalidArgument(
+        "jaxkv attend: int8 keys only for at most 8 queries per kv head, H a multiple of 16");
+  d.S_read = std::max<int64_t>(0, std::min<int64_t>(d.S, kv_len));
   d.scale = scale, d.softcap = softcap;
-  KeySet ks = Keys(k), vs = Keys(v), ko = Keys(k_own), vo = Keys(v_own);
   // Tiles of up to 64 queries per kv head: a tile's tokens x the kv head's G query heads.
   int64_t T_all = d.T, per_tile = 4 * kLanes / std::max<int64_t>(1, d.G);
   int64_t tile = std::max<int64_t>(1, std::min(T_all, per_tile)), tiles = (T_all + tile - 1) / tile;
@@ -627,8 +650,8 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   auto decode = [&](auto r) {
     RunTasks(pool, tasks * parts, [&](int64_t c) {
       int64_t p = c % parts, bk = c / parts;
-      float* o = parts > 1 ? part_out.data() + p * n_out * d.H : out->typed_data();
-      float* l = parts > 1 ? part_lse.data() + p * n_out : lse->typed_data();
+      float* o = parts > 1 ? part_out.data() + p * n_out * d.H : out;
+      float* l = parts > 1 ? part_lse.data() + p * n_out : lse;
       DecodeTask<decltype(r)::value>(d, q.typed_data(), ks, vs, mask.typed_data(), p * span,
                                      std::min(d.S_read, (p + 1) * span), ko, vo,
                                      own_mask.typed_data(), p == parts - 1, bk / d.K, bk % d.K,
@@ -640,14 +663,14 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
       int64_t p = c % parts, bk = c / parts / tiles, t0 = c / parts % tiles * tile;
       Shapes tile_d = d;
       tile_d.T = std::min(tile, T_all - t0);
-      float* o = parts > 1 ? part_out.data() + p * n_out * d.H : out->typed_data();
-      float* l = parts > 1 ? part_lse.data() + p * n_out : lse->typed_data();
+      float* o = parts > 1 ? part_out.data() + p * n_out * d.H : out;
+      float* l = parts > 1 ? part_lse.data() + p * n_out : lse;
       Task<decltype(nr)::value>(tile_d, T_all, t0, q.typed_data(), ks, vs, mask.typed_data(),
                                 p * span, std::min(d.S_read, (p + 1) * span), ko, vo,
                                 own_mask.typed_data(), p == parts - 1, bk / d.K, bk % d.K, o, l);
     });
   };
-  if (d.G * d.T <= kFew && d.H % kLanes == 0) {
+  if (DecodeShapes(d)) {
     switch (d.G * d.T) {
       case 1: decode(std::integral_constant<int, 1>{}); break;
       case 2: decode(std::integral_constant<int, 2>{}); break;
@@ -667,9 +690,48 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
     }
   }
   if (parts > 1)
-    Merge(parts, n_out, d.H, part_out.data(), part_lse.data(), out->typed_data(),
-          lse->typed_data());
+    Merge(parts, n_out, d.H, part_out.data(), part_lse.data(), out,
+          lse);
   return ffi::Error::Success();
+}
+
+
+ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                      ffi::AnyBuffer v, ffi::Buffer<ffi::PRED> mask, ffi::AnyBuffer k_own,
+                      ffi::AnyBuffer v_own, ffi::Buffer<ffi::PRED> own_mask,
+                      ffi::Buffer<ffi::S32> kv_len, float scale, float softcap,
+                      ffi::Result<ffi::Buffer<ffi::F32>> out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+  KeySet ks = Keys(k), vs = Keys(v), ko = Keys(k_own), vo = Keys(v_own);
+  for (const KeySet* x : {&ks, &vs, &ko, &vo})
+    if (x->bytes < 2)
+      return ffi::Error::InvalidArgument(
+          "jaxkv attend: keys and values must be float32 or bfloat16 [B, K, S, H]");
+  return Attend(pool, q, ks, vs, mask, ko, vo, own_mask, k.dimensions()[1],
+                kv_len.typed_data()[0], scale, softcap, out->typed_data(), lse->typed_data());
+}
+
+// The same with int8 keys and values (Int8KV: int8 [B, K, S, H] and a float32 scale per key
+// [B, K, S]), a decode step's few queries only.
+ffi::Error AttendInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                          ffi::Buffer<ffi::F32> k_scale, ffi::AnyBuffer v,
+                          ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::PRED> mask,
+                          ffi::AnyBuffer k_own, ffi::Buffer<ffi::F32> k_own_scale,
+                          ffi::AnyBuffer v_own, ffi::Buffer<ffi::F32> v_own_scale,
+                          ffi::Buffer<ffi::PRED> own_mask, ffi::Buffer<ffi::S32> kv_len,
+                          float scale, float softcap, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                          ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+  KeySet ks = Keys(k, k_scale.typed_data()), vs = Keys(v, v_scale.typed_data());
+  KeySet ko = Keys(k_own, k_own_scale.typed_data()), vo = Keys(v_own, v_own_scale.typed_data());
+  const ffi::Buffer<ffi::F32>* scales[] = {&k_scale, &v_scale, &k_own_scale, &v_own_scale};
+  const KeySet* sets[] = {&ks, &vs, &ko, &vo};
+  int64_t BK = k.dimensions().size() == 4 ? k.dimensions()[0] * k.dimensions()[1] : 0;
+  for (int i = 0; i < 4; ++i)
+    if (sets[i]->bytes != 1 || int64_t(scales[i]->element_count()) != BK * sets[i]->S)
+      return ffi::Error::InvalidArgument(
+          "jaxkv attend_int8: keys and values must be int8 [B, K, S, H] with scales [B, K, S]");
+  return Attend(pool, q, ks, vs, mask, ko, vo, own_mask, k.dimensions()[1],
+                kv_len.typed_data()[0], scale, softcap, out->typed_data(), lse->typed_data());
 }
 
 }  // namespace
@@ -683,6 +745,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvAttend, AttendImpl,
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvAttendInt8, AttendInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")

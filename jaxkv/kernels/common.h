@@ -35,6 +35,23 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+// kLanes int8 -> float32 (GCC's generic vector conversion goes element by element).
+inline f32xL int8_lanes(const int8_t* p) {
+  f32xL v;
+#if defined(__AVX512F__)
+  __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  std::memcpy(&v, &f, sizeof v);
+#elif defined(__AVX2__)
+  __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+#else
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = p[i];
+#endif
+  return v;
+}
+
 inline f32xL splat(float s) {
   f32xL v;
 #if defined(__AVX512F__)

@@ -22,23 +22,6 @@ constexpr int64_t kAheadInt8 = 16 << 10;
 typedef uint16_t u16xL __attribute__((vector_size(kLanes * 2)));
 typedef uint32_t u32xL __attribute__((vector_size(kLanes * 4)));
 
-// kLanes int8 -> float32 (GCC's generic vector conversion goes element by element).
-inline f32xL int8_lanes(const int8_t* p) {
-  f32xL v;
-#if defined(__AVX512F__)
-  __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-  std::memcpy(&v, &f, sizeof v);
-#elif defined(__AVX2__)
-  __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-  __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-#else
-  for (int64_t i = 0; i < kLanes; ++i) v[i] = p[i];
-#endif
-  return v;
-}
-
 // One weight format: Lanes(o, i, p) gives kLanes weights of row o, part p < kParts of the
 // kParts * kLanes inputs from i (i a multiple of that), in the order x is given to the kernel
 // in: consecutive, or interleaved where kInterleaved (see Interleave). At(o, i) is one weight,
