@@ -416,11 +416,7 @@ inline float max_lanes(f32xL v) {
 // A running softmax's step: kSub vectors of kLanes keys (a block of kKeys): their keys are
 // scored, each vector's keys fetched into L1 while the vector before is scored and their values
 // into L2, for the block's pass over its values after the softmax.
-#ifdef SINGLE_MAX
-constexpr int kSub = SINGLE_MAX;
-#else
 constexpr int kSub = 8;
-#endif
 constexpr int64_t kKeys = kSub * kLanes;
 
 // Query r's scores of the kLanes keys [kLanes, H] (rows past m or hidden by `seen`: -inf),
