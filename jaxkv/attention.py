@@ -31,8 +31,8 @@ def attend_parts(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None,
     or None), e.g. the call's own tokens, attended together with the first. A query with no
     visible key gets output 0 and lse -inf, never NaN. softcap (optional): scaled scores s
     become softcap * tanh(s / softcap). On the CPU, queries with own keys and no bias (a decode
-    step, a tree pass, a prefill chunk) over a float32 or bfloat16 cache, and a decode step's
-    over an Int8KV one (kernels.attend_fits), go to jaxkv.kernels.attend.
+    step, a tree pass, a prefill chunk) over a float32, bfloat16 or Int8KV cache go to
+    jaxkv.kernels.attend.
     """
     if (own is not None and bias_BNTS is None and own[3] is None
             and kernels.attend_fits(q_BTNH, k_BKSH)):

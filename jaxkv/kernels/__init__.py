@@ -48,9 +48,6 @@ OUTER_ROWS = 16
 # for any number of tokens: it takes a call's queries in tiles of at most this many (a tile's
 # tokens x the query heads sharing a kv head).
 ATTEND_ROWS = 64
-# A decode step's queries, up to this many per kv head with a head size of whole 16-lane vectors,
-# take attend.cc's decode path (DecodeTask), the only one that reads an int8 cache (Int8KV).
-DECODE_ROWS = 8
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("dense.cc", "attend.cc"))
 HEADER = Path(__file__).with_name("common.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -178,16 +175,11 @@ def _dense_int8_jvp(primals, tangents):  # int8 weights are constants: only x mo
 
 
 def attend_fits(q_BTNH, k_BKSH) -> bool:
-    """Whether attend takes these queries and cache keys: float32 or bfloat16 (an array or
-    HalfKV) for any number of tokens and at most ATTEND_ROWS query heads per kv head; Int8KV
-    for at most DECODE_ROWS tokens x query heads per kv head (a decode step) with a head size
-    that is a multiple of 16."""
-    _, T, N, H = q_BTNH.shape
-    G = N // k_BKSH.shape[1]
-    if isinstance(k_BKSH, Int8KV):
-        return T * G <= DECODE_ROWS and H % 16 == 0 and enabled()
-    return (getattr(k_BKSH, "dtype", None) in (jnp.float32, jnp.bfloat16) and G <= ATTEND_ROWS
-            and enabled())
+    """Whether attend takes these queries and cache keys (float32, bfloat16 as an array or
+    HalfKV, or Int8KV): any number of tokens, at most ATTEND_ROWS query heads per kv head."""
+    G = q_BTNH.shape[2] // k_BKSH.shape[1]
+    return (getattr(k_BKSH, "dtype", None) in (jnp.float32, jnp.bfloat16, jnp.int8)
+            and G <= ATTEND_ROWS and enabled())
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))

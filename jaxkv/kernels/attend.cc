@@ -59,20 +59,27 @@ struct KeySet {
   int bytes;             // per number: 4 float32, 2 bfloat16 (their bits), 1 int8
   const float* scale;    // int8: one scale per key [B, K, S] (x ~= q * scale); else null
   int64_t S, H;
-  // The first n keys of (row, kv head) bk as n x H float32s (float32 or bfloat16 keys): in
-  // place, or converted into buf.
+  // The first n keys of (row, kv head) bk as n x H float32s: in place, or converted into buf
+  // (int8 ones times their scales).
   const float* Rows(int64_t bk, int64_t n, std::vector<float>& buf) const {
     int64_t at = bk * S * H;
     if (bytes == 4) return static_cast<const float*>(data) + at;
-    const uint16_t* src = static_cast<const uint16_t*>(data) + at;
     buf.resize(n * H);
-    for (int64_t i = 0; i < n * H; ++i) buf[i] = bf16_to_f32(src[i]);
+    if (bytes == 2) {
+      const uint16_t* src = static_cast<const uint16_t*>(data) + at;
+      for (int64_t i = 0; i < n * H; ++i) buf[i] = bf16_to_f32(src[i]);
+    } else {
+      const int8_t* src = static_cast<const int8_t*>(data) + at;
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t h = 0; h < H; ++h) buf[j * H + h] = src[j * H + h] * scale[bk * S + j];
+    }
     return buf.data();
   }
   // The same keys from key s0 on.
   KeySet From(int64_t s0) const {
     KeySet rest = *this;
     rest.data = static_cast<const char*>(data) + s0 * H * bytes;
+    if (scale) rest.scale = scale + s0;
     return rest;
   }
   // kLanes keys from key s of (row, kv head) bk, of which the first m < n - s are real, as
@@ -626,10 +633,6 @@ ffi::Error Attend(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const Ke
   d.G = d.N / d.K;
   if (d.G > 4 * kLanes)
     return ffi::Error::InvalidArgument("jaxkv attend: at most 64 query heads per kv head");
-  bool int8 = ks.bytes == 1 || vs.bytes == 1 || ko.bytes == 1 || vo.bytes == 1;
-  if (int8 && !DecodeShapes(d))
-    return ffi::Error::InvalidArgument(
-        "jaxkv attend: int8 keys only for at most 8 queries per kv head, H a multiple of 16");
   d.S_read = std::max<int64_t>(0, std::min<int64_t>(d.S, kv_len));
   d.scale = scale, d.softcap = softcap;
   // Tiles of up to 64 queries per kv head: a tile's tokens x the kv head's G query heads.
@@ -708,7 +711,7 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
 }
 
 // The same with int8 keys and values (Int8KV: int8 [B, K, S, H] and a float32 scale per key
-// [B, K, S]), a decode step's few queries only.
+// [B, K, S]).
 ffi::Error AttendInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                           ffi::Buffer<ffi::F32> k_scale, ffi::AnyBuffer v,
                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::PRED> mask,
