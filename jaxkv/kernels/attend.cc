@@ -82,9 +82,9 @@ struct KeySet {
     if (scale) rest.scale = scale + s0;
     return rest;
   }
-  // kLanes keys from key s of (row, kv head) bk, of which the first m < n - s are real, as
-  // float32 [kLanes, H] (H a multiple of kLanes; int8 ones unscaled): in place when float32
-  // and whole, else converted or copied into buf, the rows past m zero.
+  // kLanes keys from key s of (row, kv head) bk, of which the first m = min(kLanes, n - s) are
+  // real, as float32 [kLanes, H] (H a multiple of kLanes; int8 ones unscaled): in place when
+  // float32 and whole, else converted or copied into buf, the rows past m zero.
   const float* Block(int64_t bk, int64_t s, int64_t n, float* buf) const;
   // f(those keys): a whole block of bfloat16 or int8 keys read in place (bfloat16 as their
   // bits); else Block's.
@@ -116,14 +116,9 @@ struct Shapes {
   float scale, softcap;
 };
 
-inline float Dot(const float* a, const float* b, int64_t H) {
-  f32xL acc{};
-  int64_t h = 0;
-  for (; h + kLanes <= H; h += kLanes) acc += load_f32(a + h) * load_f32(b + h);
-  float s = sum_lanes(acc);
-  for (; h < H; ++h) s += a[h] * b[h];
-  return s;
-}
+// A mask of kLanes keys that a query sees, all of them.
+const bool kAllSeen[kLanes] = {true, true, true, true, true, true, true, true,
+                               true, true, true, true, true, true, true, true};
 
 // out += w v over H numbers.
 inline void AddScaled(float w, const float* v, float* out, int64_t H) {
@@ -154,8 +149,6 @@ template <int NR>
 void Finish(const Shapes& d, float* scoresT, int64_t key, int64_t n, const bool* mask,
             int64_t stride) {
   constexpr int64_t RP = Lanes<NR>::kRP;
-  static const bool kSeen[kLanes] = {true, true, true, true, true, true, true, true,
-                                     true, true, true, true, true, true, true, true};
   const float minus_inf = -std::numeric_limits<float>::infinity();
   float* rows = scoresT + key * RP;
   if (d.softcap > 0)
@@ -164,7 +157,7 @@ void Finish(const Shapes& d, float* scoresT, int64_t key, int64_t n, const bool*
         rows[j * RP + r] = d.softcap * std::tanh(rows[j * RP + r] / d.softcap);
   for (int64_t t = 0; t < d.T; ++t) {
     const bool* seen = mask + t * stride + key;
-    if (n <= kLanes && !std::memcmp(seen, kSeen, n)) continue;
+    if (n <= kLanes && !std::memcmp(seen, kAllSeen, n)) continue;
     for (int64_t j = 0; j < n; ++j)
       if (!seen[j]) std::fill_n(rows + j * RP + t * d.G, d.G, minus_inf);
   }
@@ -431,8 +424,6 @@ constexpr int64_t kKeys = kSub * kLanes;
 template <typename Key>
 f32xL ScoreLanes(const Shapes& d, const float* q_r, const Key* keys, const f32xL* scales,
                  int64_t m, const bool* seen) {
-  static const bool kAll[kLanes] = {true, true, true, true, true, true, true, true,
-                                    true, true, true, true, true, true, true, true};
   f32xL p[kLanes] = {};
   for (int64_t h = 0; h < d.H; h += kLanes) {
     f32xL q_h = load_f32(q_r + h);
@@ -443,7 +434,7 @@ f32xL ScoreLanes(const Shapes& d, const float* q_r, const Key* keys, const f32xL
   if (scales) score *= *scales;
   if (d.softcap > 0)
     for (int j = 0; j < kLanes; ++j) score[j] = d.softcap * std::tanh(score[j] / d.softcap);
-  if (m < kLanes || std::memcmp(seen, kAll, kLanes))
+  if (m < kLanes || std::memcmp(seen, kAllSeen, kLanes))
     for (int j = 0; j < kLanes; ++j)
       if (j >= m || !seen[j]) score[j] = -std::numeric_limits<float>::infinity();
   return score;
@@ -573,8 +564,7 @@ int64_t Parts(int64_t tasks, int64_t threads, int64_t keys) {
   threads = std::max<int64_t>(1, threads);
   if (tasks >= 2 * threads) return 1;
   int64_t wanted = (4 * threads + tasks - 1) / std::max<int64_t>(1, tasks);
-  int64_t parts = std::max<int64_t>(1, std::min(wanted, keys / kPartKeys));
-  return parts;
+  return std::max<int64_t>(1, std::min(wanted, keys / kPartKeys));
 }
 
 // out, lse [n, H], [n] from each part's (normalised) output and log-sum-exp: the parts'
@@ -601,7 +591,6 @@ void Merge(int64_t parts, int64_t n, int64_t H, const float* part_out, const flo
   }
 }
 
-// uint16 keys or values are bfloat16 numbers' bits, as a bfloat16 cache holds them (HalfKV).
 // Keys or values [B, K, S, H]: float32, bfloat16 (or uint16: a bfloat16 cache's bits, HalfKV)
 // or int8 (with `scale`, Int8KV's); 0 bytes a number for anything else.
 KeySet Keys(const ffi::AnyBuffer& x, const float* scale = nullptr) {
@@ -646,27 +635,31 @@ ffi::Error Attend(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const Ke
   int64_t n_out = d.B * d.T * d.N;
   std::vector<float> part_out(parts > 1 ? parts * n_out * d.H : 0);
   std::vector<float> part_lse(parts > 1 ? parts * n_out : 0);
-  auto decode = [&](auto r) {
+  // task(lo, hi, own, b, kv, t0, out, lse) for every (row, kv head, tile of tokens) and part
+  // of the keys: part p reads keys [lo, hi), the last one the own keys too, into its own output
+  // where there are several parts.
+  auto each = [&](const auto& task) {
     RunTasks(pool, tasks * parts, [&](int64_t c) {
-      int64_t p = c % parts, bk = c / parts;
-      float* o = parts > 1 ? part_out.data() + p * n_out * d.H : out;
-      float* l = parts > 1 ? part_lse.data() + p * n_out : lse;
-      DecodeTask<decltype(r)::value>(d, q.typed_data(), ks, vs, mask.typed_data(), p * span,
-                                     std::min(d.S_read, (p + 1) * span), ko, vo,
-                                     own_mask.typed_data(), p == parts - 1, bk / d.K, bk % d.K,
-                                     o, l);
+      int64_t p = c % parts, bk = c / parts / tiles, t0 = c / parts % tiles * tile;
+      task(p * span, std::min(d.S_read, (p + 1) * span), p == parts - 1, bk / d.K, bk % d.K, t0,
+           parts > 1 ? part_out.data() + p * n_out * d.H : out,
+           parts > 1 ? part_lse.data() + p * n_out : lse);
+    });
+  };
+  auto decode = [&](auto r) {  // one tile: t0 is 0
+    each([&](int64_t lo, int64_t hi, bool own, int64_t b, int64_t kv, int64_t, float* o,
+             float* l) {
+      DecodeTask<decltype(r)::value>(d, q.typed_data(), ks, vs, mask.typed_data(), lo, hi, ko,
+                                     vo, own_mask.typed_data(), own, b, kv, o, l);
     });
   };
   auto run = [&](auto nr) {
-    RunTasks(pool, tasks * parts, [&](int64_t c) {
-      int64_t p = c % parts, bk = c / parts / tiles, t0 = c / parts % tiles * tile;
+    each([&](int64_t lo, int64_t hi, bool own, int64_t b, int64_t kv, int64_t t0, float* o,
+             float* l) {
       Shapes tile_d = d;
       tile_d.T = std::min(tile, T_all - t0);
-      float* o = parts > 1 ? part_out.data() + p * n_out * d.H : out;
-      float* l = parts > 1 ? part_lse.data() + p * n_out : lse;
-      Task<decltype(nr)::value>(tile_d, T_all, t0, q.typed_data(), ks, vs, mask.typed_data(),
-                                p * span, std::min(d.S_read, (p + 1) * span), ko, vo,
-                                own_mask.typed_data(), p == parts - 1, bk / d.K, bk % d.K, o, l);
+      Task<decltype(nr)::value>(tile_d, T_all, t0, q.typed_data(), ks, vs, mask.typed_data(), lo,
+                                hi, ko, vo, own_mask.typed_data(), own, b, kv, o, l);
     });
   };
   if (DecodeShapes(d)) {
@@ -689,11 +682,9 @@ ffi::Error Attend(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const Ke
     }
   }
   if (parts > 1)
-    Merge(parts, n_out, d.H, part_out.data(), part_lse.data(), out,
-          lse);
+    Merge(parts, n_out, d.H, part_out.data(), part_lse.data(), out, lse);
   return ffi::Error::Success();
 }
-
 
 ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::Buffer<ffi::PRED> mask, ffi::AnyBuffer k_own,
