@@ -168,6 +168,21 @@ def attention_case(H, dtype, key=0, T=3, N=4, S=37):
     return q_BTNH, kv, mask_BTS, mask_BTU
 
 
+def assert_kernel_attention_equals_xla(target, q_BTNH, k, v, mask_BTS, kv_len, own, softcap):
+    """attend_parts calls the kernel entry `target`, and its output and log-sum-exp equal XLA's
+    attention; a query that sees no key (row 1's first token in attention_case) gets 0 and
+    -inf."""
+    from jaxkv import attention
+    call = lambda f: jax.jit(lambda q: f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
+                                         softcap))
+    assert f"@{target}(" in call(attention.attend_parts).lower(q_BTNH).as_text()
+    (out, lse), (want, want_lse) = (call(f)(q_BTNH) for f in (attention.attend_parts,
+                                                              attention._attend_parts_xla))
+    np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=2e-5)
+    assert np.isneginf(lse[1, 0]).all() and (out[1, 0] == 0).all()
+
+
 @pytest.mark.parametrize("H,dtype,softcap,kv_len,T,N,S", [
     (16, jnp.float32, None, None, 3, 4, 37), (20, jnp.float32, 5.0, 30, 3, 4, 37),
     (32, jnp.bfloat16, None, 21, 3, 4, 37), (20, jnp.float32, None, 30, 9, 6, 37),
@@ -193,16 +208,9 @@ def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N, S):
     if kv_len is not None:
         mask_BTS = mask_BTS & (jnp.arange(mask_BTS.shape[2]) < kv_len)
     own = (k_own, v_own, mask_BTU, None)
-    run = lambda f: jax.jit(lambda q: f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
-                                        softcap))(q_BTNH)
     assert kernels.attend_fits(q_BTNH, k)
-    text = jax.jit(lambda q: attention.attend_parts(q, k, v, mask_BTS, 0.3, None, kv_len, own,
-                                                    softcap)).lower(q_BTNH).as_text()
-    assert "@jaxkv_attend(" in text
-    (out, lse), (want, want_lse) = run(attention.attend_parts), run(attention._attend_parts_xla)
-    np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
-    np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=2e-5)
-    assert np.isneginf(lse[1, 0]).all() and (out[1, 0] == 0).all()
+    assert_kernel_attention_equals_xla("jaxkv_attend", q_BTNH, k, v, mask_BTS, kv_len, own,
+                                       softcap)
     loss = lambda f: lambda q: jnp.sum(jnp.sin(f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
                                                  softcap)[0]))
     np.testing.assert_allclose(jax.grad(loss(attention.attend_parts))(q_BTNH),
@@ -221,21 +229,14 @@ def test_attention_kernel_reads_an_int8_cache(H, softcap, kv_len, T, N, S):
     XLA's attention over the same int8 numbers; a query that sees no key gets 0 and -inf. A
     decode step's path (at most 8 queries per kv head, whole vectors of head size) and the
     general one (a prefill chunk's tiles and blocks)."""
-    from jaxkv import attention
     from jaxkv.cache import quantize_kv
     q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, jnp.float32, T=T, N=N,
                                                                       S=S)
     if kv_len is not None:
         mask_BTS = mask_BTS & (jnp.arange(S) < kv_len)
-    k, v, own = quantize_kv(k), quantize_kv(v), (k_own, v_own, mask_BTU, None)
-    call = lambda f: jax.jit(lambda q: f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
-                                         softcap))
-    assert "@jaxkv_attend_int8(" in call(attention.attend_parts).lower(q_BTNH).as_text()
-    (out, lse), (want, want_lse) = (call(f)(q_BTNH) for f in (attention.attend_parts,
-                                                              attention._attend_parts_xla))
-    np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
-    np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=2e-5)
-    assert np.isneginf(lse[1, 0]).all() and (out[1, 0] == 0).all()
+    own = (k_own, v_own, mask_BTU, None)
+    assert_kernel_attention_equals_xla("jaxkv_attend_int8", q_BTNH, quantize_kv(k), quantize_kv(v),
+                                       mask_BTS, kv_len, own, softcap)
 
 
 @pytest.mark.parametrize("dtype,seen,H", [(jnp.float32, "gap", 20), (jnp.bfloat16, "gap", 20),
