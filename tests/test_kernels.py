@@ -43,11 +43,15 @@ def test_float_product_equals_float64(R, I, O, dtype):
                                          (4, 77, jnp.bfloat16),
                                          (9, 64, jnp.bfloat16)])
 def test_bfloat16_product_of_bfloat16_rows_equals_float64(R, I, x_dtype):
-    """x holding bfloat16 numbers (a bfloat16 model's activations), given as float32 or as
-    bfloat16: one row takes the vdpbf16ps form where the CPU has it (300 inputs: two steps of
-    4 x 32, one of 32, 12 finished one by one); more rows take the other forms."""
+    """x holding bfloat16 numbers (a bfloat16 model's activations), given as float32 (the
+    float32 forms) or as bfloat16, which goes to the kernel as it is: one row takes the
+    vdpbf16ps form where the CPU has it (300 inputs: two steps of 4 x 32, one of 32, 12
+    finished one by one), more rows are widened first."""
     x_RI = jax.random.normal(jax.random.key(0), (R, I)).astype(jnp.bfloat16).astype(x_dtype)
     w_OI = jax.random.normal(jax.random.key(1), (203, I)).astype(jnp.bfloat16)
+    lowered = jax.jit(kernels.dense).lower(x_RI, w_OI).as_text()
+    x_type = "bf16" if x_dtype == jnp.bfloat16 else "f32"
+    assert f"(tensor<{R}x{I}x{x_type}>, tensor<203x{I}xbf16>) -> tensor<{R}x203xf32>" in lowered
     y_RO = jax.jit(kernels.dense)(x_RI, w_OI)
     want = reference(x_RI.astype(jnp.float32), w_OI.astype(jnp.float32))
     np.testing.assert_allclose(y_RO, want, atol=2e-5 * I)

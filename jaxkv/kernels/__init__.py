@@ -148,7 +148,8 @@ def _ffi(target, outer=None):
                                "warning)")
         R = x_RI.shape[0]
         y = jax.ShapeDtypeStruct((R, w[0].shape[0]), jnp.float32)
-        x_RI = x_RI.astype(jnp.float32)
+        if not (x_RI.dtype == w[0].dtype == jnp.bfloat16):  # bfloat16 pairs go as they are
+            x_RI = x_RI.astype(jnp.float32)
         form = outer if outer and w[0].dtype == jnp.float32 and R >= OUTER_ROWS else target
         return jax.ffi.ffi_call(form, y, vmap_method="sequential")(x_RI, *w)
     return call
