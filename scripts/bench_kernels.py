@@ -42,12 +42,12 @@ def weights(dtype: str, layers: int):
 
 def step(product):
     """A jitted function of (x [R, 1536], weights) running every product once, in order (each
-    input depends on the previous output, as in a step). For bfloat16 weights x holds bfloat16
-    numbers, as a bfloat16 model's activations are."""
+    input depends on the previous output, as in a step). For bfloat16 weights x is bfloat16, as
+    a bfloat16 model's activations are."""
     def run(x_RI, ws):
         total = jnp.zeros((), jnp.float32)
         for w in ws:
-            y_RO = product(x_RI[:, :w.shape[1]] * (1 + 0 * total), w)
+            y_RO = product((x_RI[:, :w.shape[1]] * (1 + 0 * total)).astype(x_RI.dtype), w)
             total = total + y_RO[0, 0]
         return total
     return jax.jit(run)
