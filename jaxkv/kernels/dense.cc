@@ -20,7 +20,6 @@ constexpr int64_t kAhead = 4096;  // bytes fetched ahead per byte of a weight (m
 // process, paired rounds (with Int8Pairs): 38.2 -> 48.7 GB/s (probe 51 GB/s); SmolLM2's
 // (576 inputs) 1.00x.
 constexpr int64_t kAheadInt8 = 16 << 10;
-typedef uint16_t u16xL __attribute__((vector_size(kLanes * 2)));
 typedef uint32_t u32xL __attribute__((vector_size(kLanes * 4)));
 
 // One weight format: Lanes(o, i, p) gives kLanes weights of row o, part p < kParts of the
@@ -72,14 +71,7 @@ struct BF16Rows : BF16Base {
 // bfloat16 widened kLanes weights at a time (the faster form at 3-6 rows of x).
 struct BF16Widen : BF16Base {
   static constexpr int kParts = 1;
-  f32xL Lanes(int64_t o, int64_t i, int) const {
-    u16xL h;
-    std::memcpy(&h, w + o * I + i, sizeof h);
-    u32xL bits = __builtin_convertvector(h, u32xL) << 16;
-    f32xL v;
-    std::memcpy(&v, &bits, sizeof v);
-    return v;
-  }
+  f32xL Lanes(int64_t o, int64_t i, int) const { return load_bf16(w + o * I + i); }
 };
 
 // int8 with one float scale per block of 2^log2K inputs. A whole-row block (kBlocks false) is
