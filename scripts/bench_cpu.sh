@@ -7,6 +7,8 @@
 #   prefill     SmolLM2 512 / 2,048 / 8,192 tokens against transformers' forward, with memory
 #   chunks      decoder.CHUNK 256 against 512, and one row's 64-token passes (300 tokens)
 #   speculative lookup (default tree and 4 x 1) against generate, grounded and free-form prompts
+#   attention   the decode attention kernel per layer against XLA's, SmolLM2's and Gemma 3's
+#               heads, float32 / bfloat16 / int8 caches, 128 .. 8,192 keys
 # llama.cpp is the optional `bench` extra (pip install -e ".[bench]"; on an Intel Xeon with AMX
 # see scripts/bench_decode.py for the build flags); without it the decode step says so and
 # times jaxkv alone. STEPS picks steps (default: all), e.g. STEPS="decode chunks"; DRY_RUN=1
@@ -22,10 +24,10 @@ slug=$(awk -F': ' '/^vendor_id/ {v=$2} /^cpu family/ {f=$2} /^model\t/ {m=$2}
        /proc/cpuinfo)
 out=${OUT:-results/cpu/$slug}
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-) -> $out"
-steps=${STEPS:-decode prefill chunks speculative}
+steps=${STEPS:-decode prefill chunks speculative attention}
 for step in $steps; do
-  case $step in decode|prefill|chunks|speculative) ;;
-    *) echo "unknown step $step (decode, prefill, chunks, speculative)" >&2; exit 2 ;;
+  case $step in decode|prefill|chunks|speculative|attention) ;;
+    *) echo "unknown step $step (decode, prefill, chunks, speculative, attention)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -39,5 +41,7 @@ for step in $steps; do
               --lengths 300 512 2048 8192 --out "$out/bench_prefill_chunks" ;;
     speculative) $python scripts/bench_speculative.py --kinds grounded free \
               --trees defaultx1 4x1 --no-draft --repeats 3 --out "$out/bench_speculative" ;;
+    attention) $python scripts/bench_attention.py --shapes smollm2 gemma3 \
+              --out "$out/bench_attention" ;;
   esac 2>&1 | grep -v "it/s\]" | tee "$out/$step.log"
 done

@@ -89,7 +89,7 @@ def test_bench_cpu_steps_parse(tmp_path):
     run = subprocess.run(["bash", script], capture_output=True, text=True, env=env, cwd=ROOT)
     commands = [line.split() for line in run.stdout.splitlines()
                 if line.startswith(sys.executable)]
-    assert run.returncode == 0 and len(commands) == 4, run.stderr
+    assert run.returncode == 0 and len(commands) == 5, run.stderr
     for command in commands:
         parsed = subprocess.run([*command, "--help"], capture_output=True, text=True, cwd=ROOT)
         assert parsed.returncode == 0, (command, parsed.stderr[-2000:])
