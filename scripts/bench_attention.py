@@ -17,7 +17,6 @@ filled length (int8: with their scales) / time; MBU = that / the probe's. Writes
 import argparse
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ import numpy as np
 from jaxkv import attention, cache, kernels, pages
 
 from bench_checks import cpu_name  # scripts/
+from bench_kernels import seconds
 
 # kv heads, query heads per kv head, head size, layers of the model whose shape it is
 SHAPES = {"smollm2": (3, 3, 64, 30), "gemma3": (1, 4, 256, 18), "qwen2.5-0.5b": (2, 7, 64, 24),
@@ -61,15 +61,6 @@ def step(attend, shape, L: int):
             total = total + out_BTNH[0, 0, 0, 0]
         return total
     return jax.jit(run)
-
-
-def seconds(fn, *args, calls=10):
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(calls):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / calls
 
 
 def read_bytes(kvs, L: int) -> int:

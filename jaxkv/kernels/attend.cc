@@ -414,8 +414,9 @@ constexpr int64_t kKeys = kSub * kLanes;
 // (Inlined: GCC called it, reloading SumAcross's shuffle patterns and spilling its sums on
 // every call; SmolLM2's bfloat16 and int8 decode attention from cache 0.85-0.93 of the time.)
 template <typename Key>
-__attribute__((always_inline)) inline f32xL ScoreLanes(const Shapes& d, const float* q_r, const Key* keys, const f32xL* scales,
-                 int64_t m, const bool* seen) {
+__attribute__((always_inline)) inline f32xL ScoreLanes(const Shapes& d, const float* q_r,
+                                                       const Key* keys, const f32xL* scales,
+                                                       int64_t m, const bool* seen) {
   f32xL p[kLanes] = {};
   for (int64_t h = 0; h < d.H; h += kLanes) {
     f32xL q_h = load_f32(q_r + h);
