@@ -20,12 +20,11 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxkv import attention, cache, kernels, pages
 
 from bench_checks import cpu_name  # scripts/
-from bench_kernels import seconds
+from bench_kernels import against_xla
 
 # kv heads, query heads per kv head, head size, layers of the model whose shape it is
 SHAPES = {"smollm2": (3, 3, 64, 30), "gemma3": (1, 4, 256, 18), "qwen2.5-0.5b": (2, 7, 64, 24),
@@ -82,8 +81,6 @@ def main():
     args = ap.parse_args()
     if not kernels.registered():
         raise SystemExit("the CPU kernels could not be built here (see the warning)")
-    big = jnp.ones((128 << 20,), jnp.float32)
-    probe = jax.jit(jnp.sum)
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]
@@ -96,19 +93,13 @@ def main():
                 nbytes = read_bytes(kvs, L)
                 kernel_step = step(attention.attend_parts, shape, L)
                 xla_step = step(attention._attend_parts_xla, shape, L)
-                best = {"kernel": np.inf, "xla": np.inf, "probe": np.inf}
-                for _ in range(args.repeats):
-                    best["kernel"] = min(best["kernel"], seconds(kernel_step, q_BTNH, kvs))
-                    best["xla"] = min(best["xla"], seconds(xla_step, q_BTNH, kvs, calls=3))
-                    best["probe"] = min(best["probe"], seconds(probe, big))
-                read = big.nbytes / best["probe"]
+                t = against_xla(kernel_step, xla_step, (q_BTNH, kvs), nbytes, args.repeats)
+                read = t["read_bandwidth"]
                 row = dict(shape=name, kv_heads=K, group=G, head=H, layers=layers, cache=dtype,
                            keys=L, kv_bytes=nbytes, read_bandwidth=read,
-                           kernel_us=best["kernel"] / layers * 1e6,
-                           xla_us=best["xla"] / layers * 1e6,
-                           kernel_mbu=nbytes / best["kernel"] / read,
-                           xla_mbu=nbytes / best["xla"] / read,
-                           speedup=best["xla"] / best["kernel"])
+                           kernel_us=t["kernel_s"] / layers * 1e6,
+                           xla_us=t["xla_s"] / layers * 1e6, kernel_mbu=t["kernel_mbu"],
+                           xla_mbu=t["xla_mbu"], speedup=t["speedup"])
                 rows.append(row)
                 print(f"{name:13s} {dtype:8s} {L:5d} keys: kernel {row['kernel_us']:8.1f} us a "
                       f"layer (MBU {row['kernel_mbu']:.2f})  XLA {row['xla_us']:8.1f} us (MBU "

@@ -13,6 +13,7 @@ kernels.ROWS: the largest row count at which the kernel still beats XLA.
 """
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -75,6 +76,28 @@ def seconds(fn, *args, calls=10):
     return (time.perf_counter() - start) / calls
 
 
+@functools.cache
+def read_probe():
+    """(a jitted sum, the 512 MiB it reads), made once."""
+    return jax.jit(jnp.sum), jnp.ones((128 << 20,), jnp.float32)
+
+
+def against_xla(kernel_step, xla_step, inputs, nbytes: int, repeats: int) -> dict:
+    """The best of `repeats` rounds of kernel_step(*inputs) (10 calls), xla_step (3) and a read
+    probe (a jitted sum of 512 MiB) in turn: seconds a call, the probe's bytes a second, and
+    MBU = nbytes / time / that."""
+    probe, big = read_probe()
+    best = {"kernel": np.inf, "xla": np.inf, "probe": np.inf}
+    for _ in range(repeats):
+        best["kernel"] = min(best["kernel"], seconds(kernel_step, *inputs))
+        best["xla"] = min(best["xla"], seconds(xla_step, *inputs, calls=3))
+        best["probe"] = min(best["probe"], seconds(probe, big))
+    read = big.nbytes / best["probe"]
+    return dict(read_bandwidth=read, kernel_s=best["kernel"], xla_s=best["xla"],
+                kernel_mbu=nbytes / best["kernel"] / read, xla_mbu=nbytes / best["xla"] / read,
+                speedup=best["xla"] / best["kernel"])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"])
@@ -85,8 +108,6 @@ def main():
     args = ap.parse_args()
     if not kernels.registered():
         raise SystemExit("the CPU kernels could not be built here (see the warning)")
-    big = jnp.ones((128 << 20,), jnp.float32)
-    probe = jax.jit(jnp.sum)
     kernel_step, xla_step = step(kernel_product), step(xla_product)
     rows = []
     for dtype in args.dtypes:
@@ -95,17 +116,11 @@ def main():
         for R in args.rows:
             x_RI = jax.random.normal(jax.random.key(R), (R, 1536)).astype(
                 jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
-            best = {"kernel": np.inf, "xla": np.inf, "probe": np.inf}
-            for _ in range(args.repeats):
-                best["kernel"] = min(best["kernel"], seconds(kernel_step, x_RI, ws))
-                best["xla"] = min(best["xla"], seconds(xla_step, x_RI, ws, calls=3))
-                best["probe"] = min(best["probe"], seconds(probe, big))
-            read = big.nbytes / best["probe"]
+            t = against_xla(kernel_step, xla_step, (x_RI, ws), nbytes, args.repeats)
+            read = t["read_bandwidth"]
             row = dict(dtype=dtype, rows=R, weight_bytes=nbytes, read_bandwidth=read,
-                       kernel_ms=best["kernel"] * 1e3, xla_ms=best["xla"] * 1e3,
-                       kernel_mbu=nbytes / best["kernel"] / read,
-                       xla_mbu=nbytes / best["xla"] / read,
-                       speedup=best["xla"] / best["kernel"])
+                       kernel_ms=t["kernel_s"] * 1e3, xla_ms=t["xla_s"] * 1e3,
+                       kernel_mbu=t["kernel_mbu"], xla_mbu=t["xla_mbu"], speedup=t["speedup"])
             rows.append(row)
             print(f"{dtype:9s} R={R:3d} kernel {row['kernel_ms']:8.2f} ms (MBU "
                   f"{row['kernel_mbu']:.2f})  XLA {row['xla_ms']:8.2f} ms (MBU "

@@ -460,14 +460,14 @@ Floats Widen(const uint16_t* xb, int64_t n) {
   return out;
 }
 
+// x float32, or bfloat16 with bfloat16 w (dense_t and dense_int8 refuse such w themselves).
 ffi::Error CheckShapes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, int64_t* R, int64_t* I,
-                       int64_t* O, bool bf16_x = false) {
+                       int64_t* O) {
   auto xd = x.dimensions(), wd = w.dimensions();
   auto xt = x.element_type();
-  if (xt != ffi::F32 && !(bf16_x && xt == ffi::BF16 && w.element_type() == ffi::BF16))
-    return ffi::Error::InvalidArgument(bf16_x ? "jaxkv dense: x must be float32, or bfloat16 "
-                                                "with bfloat16 w"
-                                              : "jaxkv dense: x must be float32");
+  if (xt != ffi::F32 && !(xt == ffi::BF16 && w.element_type() == ffi::BF16))
+    return ffi::Error::InvalidArgument("jaxkv dense: x must be float32, or bfloat16 with "
+                                       "bfloat16 w");
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("jaxkv dense: x must be [R, I] and w [O, I]");
   *R = xd[0], *I = xd[1], *O = wd[0];
@@ -477,7 +477,7 @@ ffi::Error CheckShapes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, int64_t
 ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Result<ffi::Buffer<ffi::F32>> y) {
   int64_t R, I, O;
-  if (auto err = CheckShapes(x, w, &R, &I, &O, true); err.failure()) return err;
+  if (auto err = CheckShapes(x, w, &R, &I, &O); err.failure()) return err;
   const float* xp = static_cast<const float*>(x.untyped_data());
   float* yp = y->typed_data();
   switch (w.element_type()) {
