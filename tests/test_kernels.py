@@ -104,6 +104,23 @@ def test_gradients_and_vmap_equal_the_plain_product():
     np.testing.assert_allclose(batched, x_RI @ w_OI.T, atol=1e-4, rtol=1e-5)
 
 
+@on_the_cpu
+def test_calls_in_flight_together_are_each_exact_and_repeat_bitwise():
+    """Independent products, which XLA may run at once on its pool's threads, called back to
+    back, so that a pool task waiting for the next call's work (common.h, Linger) takes some of
+    them while others are posted or withdrawn: every one exact, every run the same bits."""
+    xs = [jax.random.normal(jax.random.key(i), (1 + i % 3, 96)) for i in range(8)]
+    ws = [jax.random.normal(jax.random.key(100 + i), (300, 96)).astype(jnp.bfloat16)
+          for i in range(8)]
+    products = jax.jit(lambda xs, ws: [kernels.dense(x, w) for x, w in zip(xs, ws)])
+    first = [np.asarray(y) for y in products(xs, ws)]
+    for x, w, y in zip(xs, ws, first):
+        np.testing.assert_allclose(y, reference(x, w.astype(jnp.float32)), atol=2e-5 * 96)
+    for _ in range(50):
+        for y, again in zip(first, products(xs, ws)):
+            np.testing.assert_array_equal(y, again)
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_other_platforms_lower_the_plain_product(platform):
     """The same function lowered for a GPU or TPU holds no call to the CPU kernels."""

@@ -637,7 +637,7 @@ ffi::Error Attend(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const Ke
       task(p * span, std::min(d.S_read, (p + 1) * span), p == parts - 1, bk / d.K, bk % d.K, t0,
            parts > 1 ? part_out.data() + p * n_out * d.H : out,
            parts > 1 ? part_lse.data() + p * n_out : lse);
-    });
+    }, tiles == 1);  // one tile of queries: a decode step's (or a small tree's) short call
   };
   auto decode = [&](auto r) {  // one tile: t0 is 0
     each([&](int64_t lo, int64_t hi, bool own, int64_t b, int64_t kv, int64_t, float* o,

@@ -2,6 +2,7 @@
 // register, two AVX2 ones, or plain loops), and work split over XLA's intra-op pool.
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +17,18 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+// One slot, shared by every kernel of the library (dense.cc and attend.cc), through which a
+// call hands its chunks to a pool task still waiting after the last call (Linger below).
+namespace jaxkv_pool {
+enum : int { kIdle, kWaiting, kPosting, kPosted, kTaking, kTaken };
+struct Slot {
+  alignas(64) std::atomic<int> state{kIdle};
+  void (*take)(void*) = nullptr;  // written between kPosting and kPosted
+  void* call = nullptr;
+};
+inline Slot slot;
+}  // namespace jaxkv_pool
 
 namespace {
 
@@ -118,17 +131,80 @@ inline void Pause() {
 #endif
 }
 
-// work(c) for c in [0, n), claimed by the calling thread and up to threads - 1 tasks on the pool.
+// How long a pool task that has done its chunks waits for the next call's work. Returned to
+// XLA's pool, its thread spins only a few microseconds before it sleeps, and waking it costs
+// the next call's caller several more (a futex in a VM). bfloat16 SmolLM2's generate step,
+// 2-core AMD EPYC Zen 5, same process, rounds interleaved (docs/performance.md): where the two
+// vCPUs sit far apart (fast memory, 4x slower hand-offs) 5.00 -> 4.58 ms at 100 us (20 us:
+// 4.90), elsewhere even; a Python loop of jitted decode_step 0.92-0.97x the time.
+constexpr std::chrono::microseconds kLinger{100};
+
+// Runs the calls posted to the slot, if no other task waits there, until kLinger passes with
+// none.
+inline void Linger() {
+  using namespace jaxkv_pool;
+  int state = kIdle;
+  if (!slot.state.compare_exchange_strong(state, kWaiting)) return;
+  for (auto since = std::chrono::steady_clock::now();;) {
+    state = slot.state.load(std::memory_order_acquire);
+    if (state == kPosted && slot.state.compare_exchange_strong(state, kTaking)) {
+      slot.take(slot.call);  // copies what it needs, marks kTaken, runs the call's chunks
+      slot.state.store(kWaiting, std::memory_order_release);
+      since = std::chrono::steady_clock::now();
+    } else if (state == kWaiting && std::chrono::steady_clock::now() - since > kLinger &&
+               slot.state.compare_exchange_strong(state, kIdle)) {
+      return;
+    }
+    Pause();
+  }
+}
+
+// A call as posted to the slot: its claims and work, in the caller's frame until taken.
 template <typename Work>
-void RunTasks(ffi::ThreadPool pool, int64_t n, const Work& work) {
+struct Posted {
+  std::shared_ptr<Claims> claims;
+  const Work* work;
+  static void Take(void* p) {
+    auto* posted = static_cast<Posted*>(p);
+    std::shared_ptr<Claims> claims = posted->claims;
+    const Work* work = posted->work;
+    jaxkv_pool::slot.state.store(jaxkv_pool::kTaken, std::memory_order_release);
+    claims->Run(*work);
+  }
+};
+
+// work(c) for c in [0, n), claimed by the calling thread and up to threads - 1 helpers: a pool
+// task waiting in the slot, then new tasks on the pool, each of which lingers, once it has run
+// a chunk, where the caller says `linger` (short calls, as a decode step makes: a prefill's
+// attention lingering 100 us before XLA's products took 1.02x the time, 1 ms 1.07-1.12x).
+template <typename Work>
+void RunTasks(ffi::ThreadPool pool, int64_t n, const Work& work, bool linger) {
+  using namespace jaxkv_pool;
   auto claims = std::make_shared<Claims>(n);
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t helpers = std::min(std::max<int64_t>(1, pool.num_threads()), n) - 1;
+  Posted<Work> posted{claims, &work};
+  int state = kWaiting;
+  bool in_slot = helpers > 0 && slot.state.load(std::memory_order_relaxed) == kWaiting &&
+                 slot.state.compare_exchange_strong(state, kPosting);
+  if (in_slot) {
+    slot.take = &Posted<Work>::Take;
+    slot.call = &posted;
+    slot.state.store(kPosted, std::memory_order_release);
+  }
   // Tasks must not reference this frame once every chunk is claimed: they only reach `work`
   // through a claim, and the caller waits for every claimed chunk to be done.
-  for (int64_t t = 1; t < std::min(threads, n); ++t) {
-    pool.Schedule([claims, &work] { claims->Run(work); });
+  for (int64_t t = in_slot; t < helpers; ++t) {
+    pool.Schedule([claims, &work, linger] {
+      bool ran = claims->next.load(std::memory_order_relaxed) < claims->n;
+      claims->Run(work);
+      if (ran && linger) Linger();
+    });
   }
   claims->Run(work);
+  state = kPosted;  // withdraw the post if no task took it; else wait until it has copied it
+  if (in_slot && !slot.state.compare_exchange_strong(state, kWaiting)) {
+    while (slot.state.load(std::memory_order_acquire) == kTaking) Pause();
+  }
   while (claims->done.load(std::memory_order_acquire) < n) Pause();
 }
 

@@ -336,7 +336,9 @@ void Parallel(ffi::ThreadPool pool, int64_t R, int64_t O, int64_t w_bytes, int64
   int64_t rows_per = (O + n - 1) / n;
   rows_per = (rows_per + tile - 1) / tile * tile;
   n = (O + rows_per - 1) / rows_per;
-  RunTasks(pool, n, [&](int64_t c) { chunk(c * rows_per, std::min(O, (c + 1) * rows_per)); });
+  // Every product the kernel takes is a decode step's (at most ROWS rows): a short call.
+  RunTasks(pool, n, [&](int64_t c) { chunk(c * rows_per, std::min(O, (c + 1) * rows_per)); },
+           true);
 }
 
 #if defined(__AVX512BF16__)
