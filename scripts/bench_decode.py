@@ -26,8 +26,10 @@ time to first token = a 1-token generate; ms/token = (t(128 new) - t(1 new)) / 1
 engine, llama.cpp included (its own eval timer, llama_perf_context, is recorded beside it as
 own_ms_per_token); compile = first call - steady call. MBU = bytes one decode step must read
 (weights + the filled cache at the mean position) / ms per step / the probe's read bandwidth (a
-step only reads); mbu_vs_add divides by the add probe's read + written rate instead, a stricter
-yardstick. Weights are those of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M
+step only reads), the best step against the best probe; mbu_paired is the median over rounds
+of each round's own step against the same round's probe (a shared VM's bandwidth moves between
+minutes, so two bests can come from different spells; mbu_rounds lists them);
+mbu_vs_add divides by the add probe's read + written rate instead, a stricter yardstick. Weights are those of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M
 (real, GGUF; window layers read at most their window of cache), GPT-2-124M, Llama-1B and
 SmolLM2-135M shapes (random, saved locally with transformers and loaded by both). llama.cpp's
 MBU counts the GGUF file's tensor bytes. Writes JSON + PNG (the tables and the plot name the
@@ -326,16 +328,16 @@ def llamacpp_runner(path, gguf_type, prompts, new_tokens, threads):
     return runs, np.asarray([run(new_tokens)]), own, 4 if kv == llama_cpp.GGML_TYPE_F32 else 2
 
 
-def best_times(runners):
-    """{name: {n: best seconds}} of runners {name: (runs, repeats)}, interleaved round by round
-    so that a slow spell of a shared machine falls on all of them alike."""
-    best = {name: {n: float("inf") for n in runs} for name, (runs, _) in runners.items()}
+def round_times(runners):
+    """{name: {n: [seconds, round by round]}} of runners {name: (runs, repeats)}, interleaved
+    round by round so that a slow spell of a shared machine falls on all of them alike."""
+    times = {name: {n: [] for n in runs} for name, (runs, _) in runners.items()}
     for i in range(max(repeats for _, repeats in runners.values())):
         for name, (runs, repeats) in runners.items():
             for n, run in runs.items():
                 if i < repeats:
-                    best[name][n] = min(best[name][n], _seconds(run))
-    return best
+                    times[name][n].append(_seconds(run))
+    return times
 
 
 def summarize(steady, batch, new_tokens):
@@ -364,14 +366,19 @@ def bench_cell(name, batch, engines, ggufs, args, probe):
             path, t, prompts, args.new_tokens, args.llamacpp_threads)
         runners[t] = (runs, args.repeats)
     counts = dict(jaxkv.trace_counts)
-    best = best_times(runners)
+    times = round_times(runners)
     assert dict(jaxkv.trace_counts) == counts, "jaxkv recompiled after warm-up"
+    best = {name: {n: min(ts) for n, ts in runs.items()} for name, runs in times.items()}
     bandwidth = {k: n / best["probe"][k] for k, n in probe[1].items()}
 
-    def utilization(row, nbytes):
+    def utilization(row, nbytes, name):
         achieved = nbytes / (row["ms_per_token"] / 1e3)
+        steps = (np.array(times[name][args.new_tokens]) - times[name][1]) / (args.new_tokens - 1)
+        reads = probe[1]["read"] / np.array(times["probe"]["read"])
+        paired = nbytes / steps[:len(reads)] / reads[:len(steps)]
         row.update(step_bytes=nbytes, bandwidth=bandwidth, mbu=achieved / bandwidth["read"],
-                   mbu_vs_add=achieved / bandwidth["add"])
+                   mbu_vs_add=achieved / bandwidth["add"], mbu_paired=float(np.median(paired)),
+                   mbu_rounds=paired.tolist())
 
     cpp_rows = {}
     for t, path in ggufs.items():
@@ -379,7 +386,7 @@ def bench_cell(name, batch, engines, ggufs, args, probe):
                    threads=args.llamacpp_threads,
                    **summarize(best[t], batch, args.new_tokens), own_ms_per_token=own[t]["own_ms"])
         utilization(row, gguf_step_bytes(path, config, batch, args.prompt_len, args.new_tokens,
-                                         kv_itemsize[t]))
+                                         kv_itemsize[t]), t)
         for dtype in engines:
             row[f"greedy_tokens_equal_jaxkv_{dtype}"] = float((tokens[t] == tokens[dtype]).mean())
         cpp_rows[t] = row
@@ -388,7 +395,7 @@ def bench_cell(name, batch, engines, ggufs, args, probe):
     for dtype, (params, hf_model) in engines.items():
         row = dict(model=name, dtype=dtype, batch=batch, compile_s=compile_s[dtype],
                    **summarize(best[dtype], batch, args.new_tokens))
-        utilization(row, step_bytes(params, batch, args.prompt_len, args.new_tokens))
+        utilization(row, step_bytes(params, batch, args.prompt_len, args.new_tokens), dtype)
         if hf_model is not None:
             hf = summarize(best["hf", dtype], batch, args.new_tokens)
             row.update({f"hf_{k}": v for k, v in hf.items()})
@@ -477,13 +484,13 @@ def report(args, rows, cpp_rows):
           f"{result['device']}: {result['cpu']}, {result['cpu_count']} cores; products: "
           f"{result['products']}")
     print(f"{'model':10s} {'dtype':8s} {'B':>3s} {'ms/tok':>7s} {'tok/s':>8s} {'TTFT ms':>8s} "
-          f"{'compile':>7s} {'MBU':>5s} {'(add)':>5s} {'HF ms/tok':>9s} {'vs HF':>6s} "
+          f"{'compile':>7s} {'MBU':>5s} {'(add)':>5s} {'pair':>5s} {'HF ms/tok':>9s} {'vs HF':>6s} "
           f"{'cpp ms/tok':>10s} {'vs cpp':>6s}")
     nan = float("nan")
     for r in rows:
         print(f"{r['model']:10s} {r['dtype']:8s} {r['batch']:3d} {r['ms_per_token']:7.1f} "
               f"{r['tokens_per_s']:8.1f} {r['ttft_ms']:8.1f} {r['compile_s']:7.1f} "
-              f"{r['mbu']:5.2f} {r['mbu_vs_add']:5.2f} "
+              f"{r['mbu']:5.2f} {r['mbu_vs_add']:5.2f} {r['mbu_paired']:5.2f} "
               f"{r.get('hf_ms_per_token', nan):9.1f} {r.get('speedup_vs_hf', nan):6.2f} "
               f"{r.get('llamacpp_ms_per_token', nan):10.1f} "
               f"{r.get('speedup_vs_llamacpp', nan):6.2f}")
@@ -491,13 +498,14 @@ def report(args, rows, cpp_rows):
         dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
         print(f"llama.cpp {result['llama_cpp']} (ms/tok as jaxkv's; own: llama.cpp's eval timer)")
         print(f"{'model':10s} {'type':8s} {'B':>3s} {'ms/tok':>7s} {'tok/s':>8s} {'TTFT ms':>8s} "
-              f"{'own ms':>7s} {'MBU':>5s} " + " ".join(f"{'jaxkv ' + d[:4] + ' x':>12s}"
+              f"{'own ms':>7s} {'MBU':>5s} {'pair':>5s} " + " ".join(f"{'jaxkv ' + d[:4] + ' x':>12s}"
                                                         for d in dtypes)
               + f" {'= jaxkv fp32':>12s}")
         for r in cpp_rows:
             print(f"{r['model']:10s} {r['gguf_type']:8s} {r['batch']:3d} {r['ms_per_token']:7.1f} "
                   f"{r['tokens_per_s']:8.1f} {r['ttft_ms']:8.1f} {r['own_ms_per_token']:7.1f} "
-                  f"{r['mbu']:5.2f} " + " ".join(f"{r.get(f'jaxkv_{d}_speedup', nan):12.2f}"
+                  f"{r['mbu']:5.2f} {r['mbu_paired']:5.2f} "
+                  + " ".join(f"{r.get(f'jaxkv_{d}_speedup', nan):12.2f}"
                                                   for d in dtypes)
                   + f" {r.get('greedy_tokens_equal_jaxkv_float32', nan):12.2f}")
     with open(args.out + ".md", "w") as f:
@@ -514,22 +522,24 @@ def markdown(result) -> str:
              "row); q8_0: one scale per 32 inputs (jaxkv.load(Q8_0 file, int8=True), else "
              "jaxkv.quantize(block=32)).", "",
              "| model | jaxkv | batch | ms/token | tokens/s | vs jaxkv float32 | greedy = float32 "
-             "| MBU | llama.cpp file | its ms/token | vs llama.cpp | greedy = llama.cpp |",
-             "|---|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|"]
+             "| MBU | MBU paired | llama.cpp file | its ms/token | vs llama.cpp "
+             "| greedy = llama.cpp |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|"]
     for r in result["rows"]:
         get = lambda key, spec: "" if key not in r else format(r[key], spec)  # noqa: E731
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['ms_per_token']:.1f} "
             f"| {r['tokens_per_s']:.1f} | {get('speedup_vs_float32', '.2f')} "
             f"| {get('greedy_tokens_equal_float32', '.2f')} | {r['mbu']:.2f} "
+            f"| {get('mbu_paired', '.2f')} "
             f"| {r.get('llamacpp_type', '')} | {get('llamacpp_ms_per_token', '.1f')} "
             f"| {get('speedup_vs_llamacpp', '.2f')} | {get('greedy_tokens_equal_llamacpp', '.2f')} |")
     if result["llamacpp_rows"]:
         lines += ["", "| model | llama.cpp file | batch | ms/token | tokens/s | own timer ms "
-                  "| MBU |", "|---|---|--:|--:|--:|--:|--:|"]
+                  "| MBU | MBU paired |", "|---|---|--:|--:|--:|--:|--:|--:|"]
         lines += [f"| {r['model']} | {r['gguf_type']} | {r['batch']} | {r['ms_per_token']:.1f} "
-                  f"| {r['tokens_per_s']:.1f} | {r['own_ms_per_token']:.1f} | {r['mbu']:.2f} |"
-                  for r in result["llamacpp_rows"]]
+                  f"| {r['tokens_per_s']:.1f} | {r['own_ms_per_token']:.1f} | {r['mbu']:.2f} "
+                  f"| {r.get('mbu_paired', float('nan')):.2f} |" for r in result["llamacpp_rows"]]
     return "\n".join(lines) + "\n"
 
 
