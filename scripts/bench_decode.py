@@ -28,12 +28,13 @@ own_ms_per_token); compile = first call - steady call. MBU = bytes one decode st
 (weights + the filled cache at the mean position) / ms per step / the probe's read bandwidth (a
 step only reads), the best step against the best probe; mbu_paired is the median over rounds
 of each round's own step against the same round's probe (a shared VM's bandwidth moves between
-minutes, so two bests can come from different spells; mbu_rounds lists them);
-mbu_vs_add divides by the add probe's read + written rate instead, a stricter yardstick. Weights are those of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M
-(real, GGUF; window layers read at most their window of cache), GPT-2-124M, Llama-1B and
-SmolLM2-135M shapes (random, saved locally with transformers and loaded by both). llama.cpp's
-MBU counts the GGUF file's tensor bytes. Writes JSON + PNG (the tables and the plot name the
-CPU); asserts nothing recompiles after warm-up.
+minutes, so two bests can come from different spells; mbu_rounds lists them); mbu_vs_add
+divides by the add probe's read + written rate instead, a stricter yardstick. Weights are those
+of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M (real, GGUF; window layers read
+at most their window of cache), GPT-2-124M, Llama-1B and SmolLM2-135M shapes (random, saved
+locally with transformers and loaded by both). llama.cpp's MBU counts the GGUF file's tensor
+bytes. Writes JSON + PNG (the tables and the plot name the CPU); asserts nothing recompiles
+after warm-up.
 
   python scripts/bench_decode.py                                  # CPU grid (~15 min, 2 cores)
   python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32   # quick
@@ -498,15 +499,14 @@ def report(args, rows, cpp_rows):
         dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
         print(f"llama.cpp {result['llama_cpp']} (ms/tok as jaxkv's; own: llama.cpp's eval timer)")
         print(f"{'model':10s} {'type':8s} {'B':>3s} {'ms/tok':>7s} {'tok/s':>8s} {'TTFT ms':>8s} "
-              f"{'own ms':>7s} {'MBU':>5s} {'pair':>5s} " + " ".join(f"{'jaxkv ' + d[:4] + ' x':>12s}"
-                                                        for d in dtypes)
+              f"{'own ms':>7s} {'MBU':>5s} {'pair':>5s} "
+              + " ".join(f"{'jaxkv ' + d[:4] + ' x':>12s}" for d in dtypes)
               + f" {'= jaxkv fp32':>12s}")
         for r in cpp_rows:
             print(f"{r['model']:10s} {r['gguf_type']:8s} {r['batch']:3d} {r['ms_per_token']:7.1f} "
                   f"{r['tokens_per_s']:8.1f} {r['ttft_ms']:8.1f} {r['own_ms_per_token']:7.1f} "
                   f"{r['mbu']:5.2f} {r['mbu_paired']:5.2f} "
-                  + " ".join(f"{r.get(f'jaxkv_{d}_speedup', nan):12.2f}"
-                                                  for d in dtypes)
+                  + " ".join(f"{r.get(f'jaxkv_{d}_speedup', nan):12.2f}" for d in dtypes)
                   + f" {r.get('greedy_tokens_equal_jaxkv_float32', nan):12.2f}")
     with open(args.out + ".md", "w") as f:
         f.write(markdown(result))

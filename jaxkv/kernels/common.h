@@ -133,10 +133,11 @@ inline void Pause() {
 
 // How long a pool task that has done its chunks waits for the next call's work. Returned to
 // XLA's pool, its thread spins only a few microseconds before it sleeps, and waking it costs
-// the next call's caller several more (a futex in a VM). bfloat16 SmolLM2's generate step,
-// 2-core AMD EPYC Zen 5, same process, rounds interleaved (docs/performance.md): where the two
-// vCPUs sit far apart (fast memory, 4x slower hand-offs) 5.00 -> 4.58 ms at 100 us (20 us:
-// 4.90), elsewhere even; a Python loop of jitted decode_step 0.92-0.97x the time.
+// the next call's caller several more (a futex in a VM). bfloat16 SmolLM2, 2-core AMD EPYC
+// Zen 5, same process, rounds interleaved (docs/performance.md): where the two vCPUs sit far
+// apart (fast memory, 4x slower hand-offs) generate's step 0.92x the time (paired MBU 0.77 ->
+// 0.83), elsewhere even; a Python loop of jitted decode_step 0.85-0.94x. 20 us gained little,
+// 300 us and 1 ms slowed that loop.
 constexpr std::chrono::microseconds kLinger{100};
 
 // Runs the calls posted to the slot, if no other task waits there, until kLinger passes with
