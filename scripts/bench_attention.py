@@ -15,16 +15,13 @@ filled length (int8: with their scales) / time; MBU = that / the probe's. Writes
 """
 
 import argparse
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv import attention, cache, kernels, pages
 
-from bench_checks import cpu_name  # scripts/
-from bench_kernels import against_xla
+from bench_kernels import against_xla, save  # scripts/
 
 # kv heads, query heads per kv head, head size, layers of the model whose shape it is
 SHAPES = {"smollm2": (3, 3, 64, 30), "gemma3": (1, 4, 256, 18), "qwen2.5-0.5b": (2, 7, 64, 24),
@@ -105,11 +102,7 @@ def main():
                       f"layer (MBU {row['kernel_mbu']:.2f})  XLA {row['xla_us']:8.1f} us (MBU "
                       f"{row['xla_mbu']:.2f})  {row['speedup']:5.2f}x  probe {read / 1e9:.1f} "
                       f"GB/s", flush=True)
-    result = dict(cpu=cpu_name(), cpu_count=os.cpu_count(), jax=jax.__version__, rows=rows)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    plot(args, result)
+    save(args, plot, rows=rows)
 
 
 def plot(args, result):

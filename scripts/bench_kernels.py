@@ -126,8 +126,12 @@ def main():
                   f"{row['kernel_mbu']:.2f})  XLA {row['xla_ms']:8.2f} ms (MBU "
                   f"{row['xla_mbu']:.2f})  {row['speedup']:5.2f}x  probe {read / 1e9:.1f} GB/s",
                   flush=True)
-    result = dict(cpu=cpu_name(), cpu_count=os.cpu_count(), jax=jax.__version__,
-                  rows_limit=kernels.ROWS, rows=rows)
+    save(args, plot, rows_limit=kernels.ROWS, rows=rows)
+
+
+def save(args, plot, **fields):
+    """<args.out>.json (the CPU, its cores, jax's version and fields) and plot(args, result)."""
+    result = dict(cpu=cpu_name(), cpu_count=os.cpu_count(), jax=jax.__version__, **fields)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
