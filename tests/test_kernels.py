@@ -2,6 +2,12 @@
 and row count they take; differentiable and vmappable; lowered as the plain einsum on other
 platforms; decoding with them off (XLA's products) still equals the forward."""
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,6 +178,32 @@ def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXKV_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="no-such-compiler"):
         kernels._build()
+
+
+def test_a_failed_build_names_the_compilers_complaint(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXKV_CPU_MARCH", "no-such-cpu")
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="-march=no-such-cpu failed on the kernels: .*no-such"):
+        kernels._build()
+
+
+# The tests a narrower build runs: every product's forms and tails; attention's decode and
+# prefill paths (float, bfloat16, int8 cache, soft cap) and key splits.
+NARROW = ("product_equals or rows_equals or tails or in_flight or splits or 3_tiles_3_blocks or "
+          "decode_4_queries_bfloat16_softcap or (int8_cache and (3_queries or 2_tiles))")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the narrower builds named are x86's")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2; SSE2, the plain loops
+def test_narrower_builds_are_exact(march):
+    """The kernels' AVX2 and plain-loop paths (what a CPU without AVX-512 runs, and ARM's
+    generic vectors) pass the product and attention tests, in a process built for them."""
+    env = {**os.environ, "JAXKV_CPU_MARCH": march}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                          NARROW, __file__], env=env, cwd=Path(__file__).parents[1],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
 
 
 # ---- attention ----------------------------------------------------------------------------

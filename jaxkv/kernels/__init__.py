@@ -50,7 +50,14 @@ OUTER_ROWS = 16
 ATTEND_ROWS = 64
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("dense.cc", "attend.cc"))
 HEADER = Path(__file__).with_name("common.h")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-w")
+
+
+def _march() -> str:
+    """The instruction set the kernels are compiled for: $JAXKV_CPU_MARCH, default native (the
+    CPU at hand). tests/test_kernels.py sets x86-64-v3 (AVX2) and x86-64 to check the kernels'
+    narrower paths on a CPU that has AVX-512."""
+    return f"-march={os.environ.get('JAXKV_CPU_MARCH', 'native')}"
 
 
 def enabled() -> bool:
@@ -95,20 +102,39 @@ def _build() -> Path:
         raise RuntimeError(f"no C++ compiler: {wanted!r} not found (set CXX, or install g++)")
     include = jax.ffi.include_dir()
     texts = [path.read_text() for path in (*SOURCES, HEADER)]
-    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), jax.lib.__version__, compiler,
+    flags = (*FLAGS, _march())
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags), jax.lib.__version__, compiler,
                                     _cpu_features()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("JAXKV_CACHE", Path.home() / ".cache" / "jaxkv")) / "kernels"
     target = cache / f"kernels-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then moved in whole
+            objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+            logs = [obj.with_suffix(".log") for obj in objects]
+            compiles = [_start([compiler, *flags, f"-I{include}", "-c", str(source), "-o",
+                                str(obj)], log) for source, obj, log in zip(SOURCES, objects, logs)]
+            for job, log in zip(compiles, logs):
+                _check(compiler, flags, job.wait(), log.read_text())
             built = Path(tmp) / target.name
-            run = subprocess.run([compiler, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o",
-                                  str(built)], capture_output=True, text=True)
-            if run.returncode:
-                raise RuntimeError(f"{compiler} failed on the kernels: {run.stderr[-2000:]}")
+            run = subprocess.run([compiler, "-shared", *map(str, objects), "-o", str(built)],
+                                 capture_output=True, text=True)
+            _check(compiler, flags, run.returncode, run.stderr)
             os.replace(built, target)
     return target
+
+
+def _start(command: list, log: Path) -> subprocess.Popen:
+    """The compiler started on one source, its messages to `log`: the sources compile side by
+    side (a native build 29 -> 16 s on a 2-core Zen 5)."""
+    with log.open("w") as messages:
+        return subprocess.Popen(command, stderr=messages)
+
+
+def _check(compiler: str, flags: tuple, returncode: int, stderr: str):
+    if returncode:
+        raise RuntimeError(f"{compiler} {' '.join(flags)} failed on the kernels: "
+                           f"{stderr[-2000:]}")
 
 
 def fits(rows: int, dtype) -> bool:
