@@ -9,6 +9,10 @@
 #   speculative lookup (default tree and 4 x 1) against generate, grounded and free-form prompts
 #   attention   the decode attention kernel per layer against XLA's, SmolLM2's and Gemma 3's
 #               heads, float32 / bfloat16 / int8 caches, 128 .. 8,192 keys
+#   builds      (not in the default steps; ~11 min) the decode step again, one process each
+#               with the kernels built for native, x86-64-v3 (AVX2) and x86-64 (JAXKV_CPU_MARCH)
+#               and with XLA's products, two interleaved rounds: what a CPU without AVX-512
+#               gets, into $out/builds
 # llama.cpp is the optional `bench` extra (pip install -e ".[bench]"; on an Intel Xeon with AMX
 # see scripts/bench_decode.py for the build flags); without it the decode step says so and
 # times jaxkv alone. STEPS picks steps (default: all), e.g. STEPS="decode chunks"; DRY_RUN=1
@@ -26,8 +30,9 @@ out=${OUT:-results/cpu/$slug}
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-) -> $out"
 steps=${STEPS:-decode prefill chunks speculative attention}
 for step in $steps; do
-  case $step in decode|prefill|chunks|speculative|attention) ;;
-    *) echo "unknown step $step (decode, prefill, chunks, speculative, attention)" >&2; exit 2 ;;
+  case $step in decode|prefill|chunks|speculative|attention|builds) ;;
+    *) echo "unknown step $step (decode, prefill, chunks, speculative, attention, builds)" >&2
+       exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -43,5 +48,14 @@ for step in $steps; do
               --trees defaultx1 4x1 --no-draft --repeats 3 --out "$out/bench_speculative" ;;
     attention) $python scripts/bench_attention.py --shapes smollm2 gemma3 \
               --out "$out/bench_attention" ;;
+    builds) mkdir -p "$out/builds"
+            for round in 1 2; do
+              for build in native x86-64-v3 x86-64 xla; do
+                JAXKV_CPU_KERNELS=$([ $build = xla ] && echo 0 || echo 1) \
+                JAXKV_CPU_MARCH=${build/xla/native} $python scripts/bench_decode.py \
+                  --models smollm2 --batches 1 --dtypes float32 bfloat16 int8 --no-hf \
+                  --repeats 3 --out "$out/builds/${build}_$round"
+              done
+            done ;;
   esac 2>&1 | grep -v "it/s\]" | tee "$out/$step.log"
 done

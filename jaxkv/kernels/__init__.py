@@ -36,7 +36,7 @@ from jaxkv.cache import HalfKV, Int8KV
 # on; the dot form alone fell to 0.95x at 64); bfloat16 and int8 (XLA converts them first)
 # 11-24x at 1 row, still 2.0x and 2.5x at 64. With the outer form's stores through L1,
 # float32 at --layers 10: 1.31x at 64 rows, 1.13x at 72 (8 x 9 tree nodes), 1.18x at 80, 1.08x
-# at 96, the most it takes (dense.cc, kMaxVectorsT).
+# at 96, the most it takes (dense.cc, kMaxRowsT).
 ROWS = {"float32": 96, "bfloat16": 64, "int8": 64}
 # From this many rows of x on, float32 weights go to the kernel's outer-product form instead
 # of its dot form (dense.cc, TileT). bench_kernels.py --layers 10, 2-core Xeon, with its stores

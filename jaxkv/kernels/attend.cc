@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -116,8 +117,9 @@ struct Shapes {
   float scale, softcap;
 };
 
-// A mask of kLanes keys that a query sees, all of them.
-const bool kAllSeen[kLanes] = {true, true, true, true, true, true, true, true,
+// A mask of kLanes keys (up to 16) that a query sees, all of them.
+static_assert(kLanes <= 16);
+const bool kAllSeen[16] = {true, true, true, true, true, true, true, true,
                                true, true, true, true, true, true, true, true};
 
 // out += w v over H numbers.
@@ -172,13 +174,9 @@ void Finish(const Shapes& d, float* scoresT, int64_t key, int64_t n, const bool*
 // us; keys 32 or 64 ahead no better).
 constexpr int64_t kKeysAhead = 16;
 // Vectors of sums a key loop keeps going at once: half the vector registers (32 with AVX-512,
-// 16 of half the width with AVX2). A 256-token chunk over 4,096 keys, 2-core Zen 4, alternating
-// builds: 16 sums 17.5-19.7 ms, 8 sums 25.5-28.3 (XLA 25.6-27.8 in the same processes).
-#if defined(__AVX512F__)
-constexpr int kSums = 16;
-#else
-constexpr int kSums = 8;
-#endif
+// 16 with AVX2). A 256-token chunk over 4,096 keys, 2-core Zen 4, alternating builds: 16 sums
+// 17.5-19.7 ms, 8 sums 25.5-28.3 (XLA 25.6-27.8 in the same processes).
+constexpr int kSums = kRegisters / 2;
 
 template <int NR>
 void Scores(const Shapes& d, const float* qs, const float* keys, int64_t n,
@@ -373,30 +371,40 @@ const float* KeySet::Block(int64_t bk, int64_t s, int64_t n, float* buf) const {
   return buf;
 }
 
-// kLanes vectors -> one whose lane j is the sum of p[j]'s lanes: pairs of vectors halve their
-// lanes and double their count, four times (45 instructions, against ~8 a vector summed alone).
+// Lane j of the shuffle mask that takes runs of W lanes, alternately from the first and the
+// second of two vectors (J: 0 .. kLanes - 1; + W takes the runs after those).
+template <int W, int... J>
+constexpr i32xL RunsOf(std::integer_sequence<int, J...>) {
+  return i32xL{(J / W * 2 * W + J % W)...};
+}
+
+// Pairs of the 2 W vectors at p halve their lanes: p[i] holds, in runs of W lanes, the sums of
+// p[2 i]'s and p[2 i + 1]'s runs. Then the W vectors left, down to one.
+template <int W>
+inline void Halve(f32xL* p) {
+  constexpr i32xL lo = RunsOf<W>(std::make_integer_sequence<int, kLanes>{});
+  for (int i = 0; i < W; ++i)
+    p[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], lo) +
+           __builtin_shuffle(p[2 * i], p[2 * i + 1], lo + W);
+  if constexpr (W > 1) Halve<W / 2>(p);
+}
+
+// kLanes vectors -> one whose lane j is the sum of p[j]'s lanes, log2(kLanes) halvings (45
+// instructions for 16 lanes, against ~8 a vector summed alone).
 inline f32xL SumAcross(f32xL* p) {
-  static_assert(kLanes == 16, "SumAcross's shuffles are for 16 lanes");
-  const i32xL lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const i32xL lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const i32xL lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const i32xL lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  auto halve = [&](int count, i32xL lo, int width) {
-    for (int i = 0; i < count; ++i)
-      p[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], lo) +
-             __builtin_shuffle(p[2 * i], p[2 * i + 1], lo + width);
-  };
-  halve(8, lo1, 8);
-  halve(4, lo2, 4);
-  halve(2, lo3, 2);
-  halve(1, lo4, 1);
+  Halve<kLanes / 2>(p);
   return p[0];
 }
 
-// The largest of v's lanes: each lane against the lane 8, 4, 2 and 1 away.
+template <int... J>
+constexpr i32xL Iota(std::integer_sequence<int, J...>) {
+  return i32xL{J...};
+}
+
+// The largest of v's lanes: each lane against the lane kLanes / 2, ..., 2 and 1 away.
 inline float max_lanes(f32xL v) {
-  const i32xL lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int width = 8; width >= 1; width /= 2) {
+  constexpr i32xL lane = Iota(std::make_integer_sequence<int, kLanes>{});
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
     f32xL other = __builtin_shuffle(v, lane ^ width);
     v = v > other ? v : other;
   }

@@ -13,7 +13,12 @@
 namespace {
 
 constexpr int64_t kTileO = 4;    // output rows that share each load of x
-constexpr int64_t kTileR = 6;    // rows of x that share each load of w
+// Rows of x that share each load of w: 24 sums, 3/4 of AVX-512's vector registers. With AVX2's
+// 16, 3 rows (12 sums) ran slower: bfloat16 and int8 weights at 4 and 16 rows of x 1.24-1.33x
+// the time (bench_kernels.py --layers 10, -march=x86-64-v3 on a 2-core Zen 5).
+constexpr int64_t kTileR = 6;
+// Sums an outer-form tile keeps (TileT): 3/4 of the vector registers.
+constexpr int64_t kTileSums = kRegisters * 3 / 4;
 constexpr int64_t kAhead = 4096;  // bytes fetched ahead per byte of a weight (measured: 1-16 KiB)
 // int8 weights fetch 16 KiB ahead, not 4: a tile of 4 rows of 2,048 inputs (Llama 1B's width)
 // is 8 KiB, read as 4 streams side by side. [O, 2048] one-row products from memory, Zen 5, same
@@ -261,6 +266,9 @@ Floats Aligned(int64_t n) {
 // (1 row 18.5 -> 20.4 ms, 4 rows even).
 constexpr int64_t kAheadT = 32 << 10;
 
+// Output rows of an outer-form tile, whose NV vectors of x each keeps a sum for.
+constexpr int TileRowsT(int NV) { return kTileSums / NV; }
+
 template <int NV, int NO>
 void TileT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int64_t O,
            int64_t o0) {
@@ -309,7 +317,7 @@ void TileT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int6
 template <int NV>
 void ChunkT(const float* w, const float* xT, const float* x, float* y, int64_t R_outer,
             int64_t R, int64_t I, int64_t O, int64_t o_begin, int64_t o_end) {
-  constexpr int NO = 24 / NV;  // 24 accumulators of the 32 vector registers
+  constexpr int NO = TileRowsT(NV);
   for (int64_t o = o_begin, n; o < o_end; o += n) {
     n = o + NO <= o_end ? NO : 1;
     if (n == NO) TileT<NV, NO>(w, xT, y, R_outer, I, O, o);
@@ -411,7 +419,10 @@ void Dense(ffi::ThreadPool pool, const Rows& w, const float* x, float* y, int64_
 // 20 rows 17.1 against 15.9 padded; 40 rows 22.6 either way.
 constexpr int64_t kDotRest = 4;
 
-constexpr int64_t kMaxVectorsT = 6;  // whole vectors of rows the outer form takes (96 rows)
+constexpr int64_t kMaxRowsT = 96;  // rows of x dense_t takes
+// Whole vectors of them the outer form takes: 6 with AVX-512 (96 rows), 3 with 16 registers
+// (a tile of fewer than kTileO outputs would leave the dot form its rows one at a time).
+constexpr int64_t kMaxVectorsT = kTileSums / kTileO;
 
 // x's first R rows [R, I] transposed into xT [I, Rp], the rows from R to Rp zero.
 Floats Transpose(const float* x, int64_t R, int64_t Rp, int64_t I) {
@@ -422,16 +433,16 @@ Floats Transpose(const float* x, int64_t R, int64_t Rp, int64_t I) {
   return xT;
 }
 
-// y [R, O] from float32 w and x [R, I], R <= 96: the outer-product form for NV whole vectors
-// of rows, the dot form for the rest.
+// y [R, O] from float32 w and x [R, I], R <= 96: the outer-product form for NV (at most
+// kMaxVectorsT) whole vectors of rows, the dot form for the rest.
 void DenseT(ffi::ThreadPool pool, const float* w, const float* x, float* y, int64_t R,
             int64_t I, int64_t O) {
-  int64_t NV = std::max<int64_t>(1, R / kLanes + (R % kLanes > kDotRest));
+  int64_t NV = std::clamp<int64_t>(R / kLanes + (R % kLanes > kDotRest), 1, kMaxVectorsT);
   int64_t R_outer = std::min(R, NV * kLanes);
   Floats xT = Transpose(x, R_outer, NV * kLanes, I);
   auto run = [&](auto nv) {
     constexpr int V = decltype(nv)::value;
-    int64_t tile = 24 / V;
+    int64_t tile = TileRowsT(V);
     Parallel(pool, R, O, O * I * int64_t(sizeof(float)), tile, [&](int64_t begin, int64_t end) {
       ChunkT<V>(w, xT.get(), x, y, R_outer, R, I, O, begin, end);
     });
@@ -517,7 +528,7 @@ ffi::Error DenseTImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Result<ffi::Buffer<ffi::F32>> y) {
   int64_t R, I, O;
   if (auto err = CheckShapes(x, w, &R, &I, &O); err.failure()) return err;
-  if (w.element_type() != ffi::F32 || R > kMaxVectorsT * kLanes)
+  if (w.element_type() != ffi::F32 || R > kMaxRowsT)
     return ffi::Error::InvalidArgument("jaxkv dense_t: w must be float32, x at most 96 rows");
   DenseT(pool, static_cast<const float*>(w.untyped_data()),
          static_cast<const float*>(x.untyped_data()), y->typed_data(), R, I, O);
