@@ -4,6 +4,7 @@ platforms; decoding with them off (XLA's products) still equals the forward."""
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -185,6 +186,17 @@ def test_a_failed_build_names_the_compilers_complaint(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXKV_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="-march=no-such-cpu failed on the kernels: .*no-such"):
         kernels._build()
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
+                    reason="no ARM cross-compiler (CI installs g++-aarch64-linux-gnu)")
+def test_the_kernels_build_for_arm(monkeypatch, tmp_path):
+    """The plain-loop paths also build for aarch64 (GCC's __fp16 where x86 has _Float16)."""
+    monkeypatch.setenv("CXX", "aarch64-linux-gnu-g++")
+    monkeypatch.setenv("JAXKV_CPU_MARCH", "armv8.2-a")
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path))
+    header = kernels._build().read_bytes()[:20]
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # aarch64
 
 
 # The tests a narrower build runs: every product's forms and tails; attention's decode and

@@ -48,6 +48,13 @@ constexpr int kRegisters = 16;
 #endif
 typedef float f32xL __attribute__((vector_size(kLanes * 4)));
 
+// IEEE float16 (int8 blocks' scales): GCC 12 has _Float16 in C++ on x86 only, __fp16 on ARM.
+#if defined(__aarch64__) || defined(__arm__)
+typedef __fp16 Half;
+#else
+typedef _Float16 Half;
+#endif
+
 inline f32xL load_f32(const float* p) {
   f32xL v;
   std::memcpy(&v, p, sizeof v);

@@ -91,7 +91,7 @@ struct Int8Rows {
   int64_t I, NB, log2K;
   float ScaleAt(int64_t o, int64_t b) const {
     if constexpr (sizeof(Scale) == 4) return scale[o * NB + b];
-    else if constexpr (std::is_same_v<Scale, _Float16>) return float(scale[o * NB + b]);
+    else if constexpr (std::is_same_v<Scale, Half>) return float(scale[o * NB + b]);
     else return bf16_to_f32(scale[o * NB + b]);
   }
   const int8_t* Row(int64_t o) const { return q + o * I; }
@@ -576,7 +576,7 @@ ffi::Error DenseInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
       DenseInt8Typed<float>(pool, qp, scale.untyped_data(), xp, yp, R, I, O, NB);
       return ffi::Error::Success();
     case ffi::F16:
-      DenseInt8Typed<_Float16>(pool, qp, scale.untyped_data(), xp, yp, R, I, O, NB);
+      DenseInt8Typed<Half>(pool, qp, scale.untyped_data(), xp, yp, R, I, O, NB);
       return ffi::Error::Success();
     case ffi::BF16:
       DenseInt8Typed<uint16_t>(pool, qp, scale.untyped_data(), xp, yp, R, I, O, NB);
