@@ -4,8 +4,9 @@ streaming w once over every core (dense.cc, registered with XLA's FFI).
 XLA:CPU runs a one-row product at 0.3-0.6 of the read bandwidth (its loop fusion or its GEMV
 call, depending on the CPU), and converts int8 or bfloat16 weights slowly; a decode step is
 little else. dense.cc is compiled with the machine's C++ compiler for the CPU at hand
-(-march=native) the first time a process needs it, and cached by the hash of its source, its
-flags, jaxlib's version and the CPU's features: $JAXKV_CACHE (default ~/.cache/jaxkv)/kernels.
+(-march=native; $JAXKV_CPU_MARCH names another) the first time a process needs it, and cached
+by the hash of its source, its flags, jaxlib's version and the CPU's features: $JAXKV_CACHE
+(default ~/.cache/jaxkv)/kernels.
 
 Used only when the computation runs on the CPU (other platforms lower the plain einsum), for at
 most ROWS rows, and never where JAXKV_CPU_KERNELS=0. Without a compiler the products stay
@@ -126,7 +127,7 @@ def _build() -> Path:
 
 def _start(command: list, log: Path) -> subprocess.Popen:
     """The compiler started on one source, its messages to `log`: the sources compile side by
-    side (a native build 29 -> 16 s on a 2-core Zen 5)."""
+    side (2-core Zen 5: a native build 29 -> 16 s; ~13 s once vectors were one register)."""
     with log.open("w") as messages:
         return subprocess.Popen(command, stderr=messages)
 

@@ -120,7 +120,7 @@ struct Shapes {
 // A mask of kLanes keys (up to 16) that a query sees, all of them.
 static_assert(kLanes <= 16);
 const bool kAllSeen[16] = {true, true, true, true, true, true, true, true,
-                               true, true, true, true, true, true, true, true};
+                           true, true, true, true, true, true, true, true};
 
 // out += w v over H numbers.
 inline void AddScaled(float w, const float* v, float* out, int64_t H) {
