@@ -3,7 +3,8 @@
 # go to results/cpu/<vendor>_f<family>_m<model> (the CPU's model name is in every table), one
 # step after another, so that nothing else runs beside a timing.
 #   decode      SmolLM2 batch 1, float32 / bfloat16 / int8 against llama.cpp F32 / F16 / Q8_0
-#               and the read bandwidth (MBU), best of 5 interleaved rounds
+#               and the read bandwidth (MBU), 11 interleaved rounds: the best of each and
+#               the median of same-round ratios (paired)
 #   prefill     SmolLM2 512 / 2,048 / 8,192 tokens against transformers' forward, with memory
 #   chunks      decoder.CHUNK 256 against 512, and one row's 64-token passes (300 tokens)
 #   speculative lookup (default tree and 4 x 1) against generate, grounded and free-form prompts
@@ -39,7 +40,7 @@ mkdir -p "$out"
 for step in $steps; do
   case $step in
     decode) $python scripts/bench_decode.py --models smollm2 --batches 1 \
-              --dtypes float32 bfloat16 int8 --llamacpp F32 F16 Q8_0 --no-hf --repeats 5 \
+              --dtypes float32 bfloat16 int8 --llamacpp F32 F16 Q8_0 --no-hf --repeats 11 \
               --out "$out/bench_decode" ;;
     prefill) $python scripts/bench_prefill.py --out "$out/bench_prefill" ;;
     chunks) $python scripts/bench_prefill.py --engines jaxkv --no-memory --chunks 256 512 \

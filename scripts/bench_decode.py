@@ -29,7 +29,11 @@ own_ms_per_token); compile = first call - steady call. MBU = bytes one decode st
 step only reads), the best step against the best probe; mbu_paired is the median over rounds
 of each round's own step against the same round's probe (a shared VM's bandwidth moves between
 minutes, so two bests can come from different spells; mbu_rounds lists them); mbu_vs_add
-divides by the add probe's read + written rate instead, a stricter yardstick. Weights are those
+divides by the add probe's read + written rate instead, a stricter yardstick. Speed-ups ("vs
+llama.cpp", "vs jaxkv float32", "vs HF") are the best step against the best step, and *_paired
+the median over rounds of the two engines' steps in the same round: on a VM whose memory is
+fast in some minutes and not in others, two bests can come from different spells (a Zen 5 run:
+float32 0.96x llama.cpp best against best, 1.13-1.16x in four of its five rounds). Weights are those
 of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M (real, GGUF; window layers read
 at most their window of cache), GPT-2-124M, Llama-1B and SmolLM2-135M shapes (random, saved
 locally with transformers and loaded by both). llama.cpp's MBU counts the GGUF file's tensor
@@ -341,6 +345,25 @@ def round_times(runners):
     return times
 
 
+def round_steps(runs, new_tokens):
+    """Seconds per decode step in each round: (t(new_tokens) - t(1)) / (new_tokens - 1)."""
+    if 1 not in runs:
+        return np.array([])
+    return (np.array(runs[new_tokens]) - np.array(runs[1])) / (new_tokens - 1)
+
+
+def _common(*per_round):
+    """[n, rounds] of arrays cut to the rounds they all have (HF may run fewer)."""
+    rounds = min(len(a) for a in per_round)
+    return np.stack([a[:rounds] for a in per_round])
+
+
+def paired_speedup(steps, ours, theirs) -> float:
+    """Median over rounds of their step / our step, each pair from the same round."""
+    ours_R, theirs_R = _common(steps[ours], steps[theirs])
+    return float(np.median(theirs_R / ours_R))
+
+
 def summarize(steady, batch, new_tokens):
     ms = 1e3 * (steady[new_tokens] - steady[1]) / (new_tokens - 1)
     return dict(ttft_ms=1e3 * steady[1], ms_per_token=ms, tokens_per_s=1e3 * batch / ms)
@@ -369,14 +392,14 @@ def bench_cell(name, batch, engines, ggufs, args, probe):
     counts = dict(jaxkv.trace_counts)
     times = round_times(runners)
     assert dict(jaxkv.trace_counts) == counts, "jaxkv recompiled after warm-up"
+    steps = {name: round_steps(runs, args.new_tokens) for name, runs in times.items()}
     best = {name: {n: min(ts) for n, ts in runs.items()} for name, runs in times.items()}
     bandwidth = {k: n / best["probe"][k] for k, n in probe[1].items()}
 
     def utilization(row, nbytes, name):
         achieved = nbytes / (row["ms_per_token"] / 1e3)
-        steps = (np.array(times[name][args.new_tokens]) - times[name][1]) / (args.new_tokens - 1)
         reads = probe[1]["read"] / np.array(times["probe"]["read"])
-        paired = nbytes / steps[:len(reads)] / reads[:len(steps)]
+        paired = nbytes / _common(steps[name], reads).prod(0)
         row.update(step_bytes=nbytes, bandwidth=bandwidth, mbu=achieved / bandwidth["read"],
                    mbu_vs_add=achieved / bandwidth["add"], mbu_paired=float(np.median(paired)),
                    mbu_rounds=paired.tolist())
@@ -401,11 +424,13 @@ def bench_cell(name, batch, engines, ggufs, args, probe):
             hf = summarize(best["hf", dtype], batch, args.new_tokens)
             row.update({f"hf_{k}": v for k, v in hf.items()})
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"]
+            row["speedup_vs_hf_paired"] = paired_speedup(steps, dtype, ("hf", dtype))
             row["greedy_tokens_equal_hf"] = float((tokens[dtype] == tokens["hf", dtype]).mean())
         cpp = cpp_rows.get(LLAMACPP_MATCH[dtype])
         if cpp is not None:
             row.update(llamacpp_type=cpp["gguf_type"], llamacpp_ms_per_token=cpp["ms_per_token"],
                        speedup_vs_llamacpp=row["tokens_per_s"] / cpp["tokens_per_s"],
+                       speedup_vs_llamacpp_paired=paired_speedup(steps, dtype, cpp["gguf_type"]),
                        greedy_tokens_equal_llamacpp=cpp[f"greedy_tokens_equal_jaxkv_{dtype}"])
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -413,6 +438,7 @@ def bench_cell(name, batch, engines, ggufs, args, probe):
     for row in rows:  # int8 and bfloat16 against float32, same rounds
         if base is not None:
             row["speedup_vs_float32"] = row["tokens_per_s"] / base["tokens_per_s"]
+            row["speedup_vs_float32_paired"] = paired_speedup(steps, row["dtype"], "float32")
             row["greedy_tokens_equal_float32"] = float(
                 (tokens[row["dtype"]] == tokens["float32"]).mean())
     for row in cpp_rows.values():  # each llama.cpp file against every jaxkv dtype
@@ -486,7 +512,7 @@ def report(args, rows, cpp_rows):
           f"{result['products']}")
     print(f"{'model':10s} {'dtype':8s} {'B':>3s} {'ms/tok':>7s} {'tok/s':>8s} {'TTFT ms':>8s} "
           f"{'compile':>7s} {'MBU':>5s} {'(add)':>5s} {'pair':>5s} {'HF ms/tok':>9s} {'vs HF':>6s} "
-          f"{'cpp ms/tok':>10s} {'vs cpp':>6s}")
+          f"{'cpp ms/tok':>10s} {'vs cpp':>6s} {'paired':>6s}")
     nan = float("nan")
     for r in rows:
         print(f"{r['model']:10s} {r['dtype']:8s} {r['batch']:3d} {r['ms_per_token']:7.1f} "
@@ -494,7 +520,8 @@ def report(args, rows, cpp_rows):
               f"{r['mbu']:5.2f} {r['mbu_vs_add']:5.2f} {r['mbu_paired']:5.2f} "
               f"{r.get('hf_ms_per_token', nan):9.1f} {r.get('speedup_vs_hf', nan):6.2f} "
               f"{r.get('llamacpp_ms_per_token', nan):10.1f} "
-              f"{r.get('speedup_vs_llamacpp', nan):6.2f}")
+              f"{r.get('speedup_vs_llamacpp', nan):6.2f} "
+              f"{r.get('speedup_vs_llamacpp_paired', nan):6.2f}")
     if cpp_rows:
         dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
         print(f"llama.cpp {result['llama_cpp']} (ms/tok as jaxkv's; own: llama.cpp's eval timer)")
@@ -521,19 +548,21 @@ def markdown(result) -> str:
              f"{result.get('products', 'XLA')}. int8: jaxkv.quantize (one scale per "
              "row); q8_0: one scale per 32 inputs (jaxkv.load(Q8_0 file, int8=True), else "
              "jaxkv.quantize(block=32)).", "",
-             "| model | jaxkv | batch | ms/token | tokens/s | vs jaxkv float32 | greedy = float32 "
-             "| MBU | MBU paired | llama.cpp file | its ms/token | vs llama.cpp "
-             "| greedy = llama.cpp |",
+             "| model | jaxkv | batch | ms/token | tokens/s | vs jaxkv float32, best / paired "
+             "| greedy = float32 | MBU | MBU paired | llama.cpp file | its ms/token "
+             "| vs llama.cpp, best / paired | greedy = llama.cpp |",
              "|---|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|"]
     for r in result["rows"]:
         get = lambda key, spec: "" if key not in r else format(r[key], spec)  # noqa: E731
+        both = lambda key: " / ".join(filter(None, (get(key, ".2f"),  # noqa: E731
+                                                    get(key + "_paired", ".2f"))))
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['ms_per_token']:.1f} "
-            f"| {r['tokens_per_s']:.1f} | {get('speedup_vs_float32', '.2f')} "
+            f"| {r['tokens_per_s']:.1f} | {both('speedup_vs_float32')} "
             f"| {get('greedy_tokens_equal_float32', '.2f')} | {r['mbu']:.2f} "
             f"| {get('mbu_paired', '.2f')} "
             f"| {r.get('llamacpp_type', '')} | {get('llamacpp_ms_per_token', '.1f')} "
-            f"| {get('speedup_vs_llamacpp', '.2f')} | {get('greedy_tokens_equal_llamacpp', '.2f')} |")
+            f"| {both('speedup_vs_llamacpp')} | {get('greedy_tokens_equal_llamacpp', '.2f')} |")
     if result["llamacpp_rows"]:
         lines += ["", "| model | llama.cpp file | batch | ms/token | tokens/s | own timer ms "
                   "| MBU | MBU paired |", "|---|---|--:|--:|--:|--:|--:|--:|"]

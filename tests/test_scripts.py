@@ -55,6 +55,8 @@ def test_script_runs(script, tmp_path):
         return
     assert result["rows"]
     assert os.path.getsize(out + ".png") > 0
+    if script == "bench_decode":  # same-round ratios: float32 against itself is 1 every round
+        assert result["rows"][0]["speedup_vs_float32_paired"] == 1.0
 
 
 def test_prefill_memory_of_one_engine_runs():
