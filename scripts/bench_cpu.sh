@@ -10,10 +10,10 @@
 #   speculative lookup (default tree and 4 x 1) against generate, grounded and free-form prompts
 #   attention   the decode attention kernel per layer against XLA's, SmolLM2's and Gemma 3's
 #               heads, float32 / bfloat16 / int8 caches, 128 .. 8,192 keys
-#   builds      (not in the default steps; ~11 min) the decode step again, one process each
-#               with the kernels built for native, x86-64-v3 (AVX2) and x86-64 (JAXKV_CPU_MARCH)
-#               and with XLA's products, two interleaved rounds: what a CPU without AVX-512
-#               gets, into $out/builds
+#   builds      (not in the default steps; ~14 min) the decode step again, one process each
+#               with the kernels built for native, x86-64-v4 (AVX-512 without its bfloat16 dot
+#               product), x86-64-v3 (AVX2) and x86-64 (JAXKV_CPU_MARCH) and with XLA's
+#               products, two interleaved rounds: what older CPUs get, into $out/builds
 # llama.cpp is the optional `bench` extra (pip install -e ".[bench]"; on an Intel Xeon with AMX
 # see scripts/bench_decode.py for the build flags); without it the decode step says so and
 # times jaxkv alone. STEPS picks steps (default: all), e.g. STEPS="decode chunks"; DRY_RUN=1
@@ -51,7 +51,7 @@ for step in $steps; do
               --out "$out/bench_attention" ;;
     builds) mkdir -p "$out/builds"
             for round in 1 2; do
-              for build in native x86-64-v3 x86-64 xla; do
+              for build in native x86-64-v4 x86-64-v3 x86-64 xla; do
                 JAXKV_CPU_KERNELS=$([ $build = xla ] && echo 0 || echo 1) \
                 JAXKV_CPU_MARCH=${build/xla/native} $python scripts/bench_decode.py \
                   --models smollm2 --batches 1 --dtypes float32 bfloat16 int8 --no-hf \

@@ -206,10 +206,11 @@ NARROW = ("product_equals or rows_equals or tails or in_flight or splits or 3_ti
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the narrower builds named are x86's")
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2; SSE2, the plain loops
+@pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3", "x86-64"])
 def test_narrower_builds_are_exact(march):
-    """The kernels' AVX2 and plain-loop paths (what a CPU without AVX-512 runs, and ARM's
-    generic vectors) pass the product and attention tests, in a process built for them."""
+    """The kernels' paths for AVX-512 without its bfloat16 dot product (x86-64-v4: Skylake to
+    Ice Lake Xeons), AVX2 (a CPU without AVX-512) and plain loops (SSE2, and ARM's generic
+    vectors) pass the product and attention tests, in a process built for each."""
     env = {**os.environ, "JAXKV_CPU_MARCH": march}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
                           NARROW, __file__], env=env, cwd=Path(__file__).parents[1],
