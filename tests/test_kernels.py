@@ -51,9 +51,9 @@ def test_float_product_equals_float64(R, I, O, dtype):
                                          (9, 64, jnp.bfloat16)])
 def test_bfloat16_product_of_bfloat16_rows_equals_float64(R, I, x_dtype):
     """x holding bfloat16 numbers (a bfloat16 model's activations), given as float32 (the
-    float32 forms) or as bfloat16, which goes to the kernel as it is: one row takes the
-    vdpbf16ps form where the CPU has it (300 inputs: two steps of 4 x 32, one of 32, 12
-    finished one by one), more rows are widened first."""
+    float32 forms) or as bfloat16, which goes to the kernel as it is: one row takes the pairs
+    form, vdpbf16ps where the CPU has it (300 inputs with AVX-512: two steps of 4 x 32, one of
+    32, 12 finished one by one), more rows are widened first."""
     x_RI = jax.random.normal(jax.random.key(0), (R, I)).astype(jnp.bfloat16).astype(x_dtype)
     w_OI = jax.random.normal(jax.random.key(1), (203, I)).astype(jnp.bfloat16)
     lowered = jax.jit(kernels.dense).lower(x_RI, w_OI).as_text()
