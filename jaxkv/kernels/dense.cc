@@ -357,8 +357,9 @@ void Parallel(ffi::ThreadPool pool, int64_t R, int64_t O, int64_t w_bytes, int64
 // bfloat16 step products, 2-core Xeon, same process: 1 row 11.0 -> 9.9 ms; 2 rows no faster.
 // Builds without it (AVX-512 before Cooper Lake and Zen 4, AVX2, plain loops) take the same
 // front-to-back form with the pairs widened: SmolLM2's 121 one-row products, 2-core Zen 5,
-// one process, medians of 1,500-3,000 paired rounds, against BF16Rows: x86-64-v4 0.944x the
-// time, x86-64-v3 0.947x (native, with vdpbf16ps, 0.925x).
+// one process, medians of 1,500-3,000 paired rounds, against BF16Rows, two runs each:
+// x86-64-v4 0.944x and 0.968x the time, x86-64-v3 0.947x and 0.998x (0.92-0.94x in fast-memory
+// minutes, 0.96-1.01x in slow ones); native, with vdpbf16ps, 0.925x.
 constexpr int64_t kPairs = 2 * kLanes;  // bfloat16 inputs per DotPairs
 
 // acc + the kPairs products of bfloat16 w and x, in kLanes sums of two: one vdpbf16ps where
