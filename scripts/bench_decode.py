@@ -347,8 +347,6 @@ def round_times(runners):
 
 def round_steps(runs, new_tokens):
     """Seconds per decode step in each round: (t(new_tokens) - t(1)) / (new_tokens - 1)."""
-    if 1 not in runs:
-        return np.array([])
     return (np.array(runs[new_tokens]) - np.array(runs[1])) / (new_tokens - 1)
 
 
@@ -392,7 +390,8 @@ def bench_cell(name, batch, engines, ggufs, args, probe):
     counts = dict(jaxkv.trace_counts)
     times = round_times(runners)
     assert dict(jaxkv.trace_counts) == counts, "jaxkv recompiled after warm-up"
-    steps = {name: round_steps(runs, args.new_tokens) for name, runs in times.items()}
+    steps = {name: round_steps(runs, args.new_tokens) for name, runs in times.items()
+             if name != "probe"}
     best = {name: {n: min(ts) for n, ts in runs.items()} for name, runs in times.items()}
     bandwidth = {k: n / best["probe"][k] for k, n in probe[1].items()}
 

@@ -27,6 +27,15 @@ constexpr int64_t kAhead = 4096;  // bytes fetched ahead per byte of a weight (m
 constexpr int64_t kAheadInt8 = 16 << 10;
 typedef uint32_t u32xL __attribute__((vector_size(kLanes * 4)));
 
+// kLanes pairs of bfloat16 (32-bit words) -> the float32 of the low one of each pair (part 0:
+// word << 16) or of the high one (part 1: word & 0xffff0000), exactly.
+inline f32xL PairHalf(u32xL pairs, int part) {
+  pairs = part == 0 ? pairs << 16 : pairs & 0xffff0000u;
+  f32xL v;
+  std::memcpy(&v, &pairs, sizeof v);
+  return v;
+}
+
 // One weight format: Lanes(o, i, p) gives kLanes weights of row o, part p < kParts of the
 // kParts * kLanes inputs from i (i a multiple of that), in the order x is given to the kernel
 // in: consecutive, or interleaved where kInterleaved (see Interleave). At(o, i) is one weight,
@@ -66,10 +75,7 @@ struct BF16Rows : BF16Base {
   f32xL Lanes(int64_t o, int64_t i, int part) const {
     u32xL words;
     std::memcpy(&words, w + o * I + i, sizeof words);
-    words = part == 0 ? words << 16 : words & 0xffff0000u;
-    f32xL v;
-    std::memcpy(&v, &words, sizeof v);
-    return v;
+    return PairHalf(words, part);
   }
 };
 
@@ -363,7 +369,7 @@ void Parallel(ffi::ThreadPool pool, int64_t R, int64_t O, int64_t w_bytes, int64
 constexpr int64_t kPairs = 2 * kLanes;  // bfloat16 inputs per DotPairs
 
 // acc + the kPairs products of bfloat16 w and x, in kLanes sums of two: one vdpbf16ps where
-// the CPU has it, elsewhere each half of the pairs widened exactly (a shift, an and) and
+// the CPU has it, elsewhere each half of the pairs widened exactly (PairHalf) and
 // multiplied-added.
 inline f32xL DotPairs(f32xL acc, const uint16_t* w, const uint16_t* x) {
 #if defined(__AVX512BF16__)
@@ -376,8 +382,8 @@ inline f32xL DotPairs(f32xL acc, const uint16_t* w, const uint16_t* x) {
   u32xL w2, x2;
   std::memcpy(&w2, w, sizeof w2);
   std::memcpy(&x2, x, sizeof x2);
-  acc += (f32xL)(w2 << 16) * (f32xL)(x2 << 16);
-  acc += (f32xL)(w2 & 0xffff0000u) * (f32xL)(x2 & 0xffff0000u);
+  acc += PairHalf(w2, 0) * PairHalf(x2, 0);
+  acc += PairHalf(w2, 1) * PairHalf(x2, 1);
 #endif
   return acc;
 }
