@@ -45,7 +45,7 @@ from jaxkv.decoder import logits as head_logits
 
 from bench_checks import cpu_name  # scripts/
 
-TEXT = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+TEXT = Path(__file__).resolve().parents[1] / "tests/data/tinyshakespeare.txt"
 FORMATS = {  # name: (the weights from the loaded float32 params, KV cache dtype or None)
     "fp32": (lambda params: params, None),
     "bf16": (lambda params: jaxkv.cast(params, jnp.bfloat16), None),

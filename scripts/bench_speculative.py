@@ -34,7 +34,7 @@ from jaxkv import speculative
 
 from bench_checks import cpu_name  # scripts/
 
-SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
+SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "tests", "data",
                            "tinyshakespeare.txt")
 ASKS = ["Copy the following passage exactly, word for word:\n\n{}",
         "Rewrite the following passage exactly as it is, but in lowercase:\n\n{}",

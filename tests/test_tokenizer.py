@@ -51,7 +51,7 @@ def test_missing_tokenizer_is_an_error(tmp_path):
 
 # ---- SentencePiece GGUFs (tokenizer model 'llama'): Gemma 3, Llama 1/2, TinyLlama ----------------
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
+SHAKESPEARE = Path(__file__).resolve().parent / "data/tinyshakespeare.txt"
 SPM_TEXTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog.",
              "  two leading spaces", "trailing spaces   ", "many     spaces  between",
              "new\nlines\n\n\nand\ttabs\t\t", "digits 0123456789 3.14159 1,000,000",

