@@ -1,27 +1,47 @@
-"""jaxkv: KV-cached transformer decoding in JAX."""
+"""jaxkv: KV-cached transformer decoding in JAX.
 
-from jaxkv.audio import load_audio, log_mel
-from jaxkv.batching import generate_many, iter_many, iter_tokens
-from jaxkv.cache import KVCache, init_cache
-from jaxkv.checks import OutOfRange, set_value_checks
-from jaxkv.checkpoint import load, save
-from jaxkv.config import Config, EncoderConfig
-from jaxkv.convert import CheckpointError
-from jaxkv.decoder import decode_step, extend, forward, prefill
-from jaxkv.encoder import encode
-from jaxkv.generate import generate
-from jaxkv.locate import default_model, default_whisper
-from jaxkv.multidecode import (Forest, Prefix, accept, accept_branch, accept_node, beam_search,
-                               build_forest, decode_branches, forest_logits, forest_pass,
-                               generate_branches, make_prefix, score_continuations)
-from jaxkv.params import Params, cast, init_params
-from jaxkv.quant import Int8, quantize
-from jaxkv.sampling import SamplingParams, sample, sampling_params
-from jaxkv.speculative import speculative_generate
-from jaxkv.stops import StopStrings, stop_strings
-from jaxkv.stream import stream
-from jaxkv.tokenizer import apply_chat_template, chat_template, load_tokenizer
-from jaxkv.tracecount import TRACE_COUNTS as trace_counts
+The package in layers, each importing only those below it:
+  ops/       the one door to a backend (XLA reference, CPU kernels)
+  core/      the model: config, params, cache, attention, decoder, encoder
+  models/    families: config keys and weight name maps
+  formats/   checkpoints, tokenizers, audio
+  decoding/  the loops: generate, batching, speculative, multidecode, beam search
+  training/  losses, optimizer, resumable state
+  front/     command line, JSONL jobs, chat, streaming, transcription
+"""
+
+from jaxkv.core.cache import KVCache
+from jaxkv.core.checks import OutOfRange, set_value_checks
+from jaxkv.core.config import Config, EncoderConfig
+from jaxkv.core.decoder import decode_step, extend, forward, init_cache, prefill
+from jaxkv.core.encoder import encode
+from jaxkv.core.params import Params, cast, init_params
+from jaxkv.core.quant import quantize
+from jaxkv.core.tracecount import TRACE_COUNTS as trace_counts
+from jaxkv.decoding.batching import generate_many, iter_many, iter_tokens
+from jaxkv.decoding.beam import beam_search
+from jaxkv.decoding.generate import generate
+from jaxkv.decoding.multidecode import (Forest, Prefix, accept, accept_branch, accept_node,
+                                        build_forest, decode_branches, forest_logits,
+                                        forest_pass, generate_branches, make_prefix,
+                                        score_continuations)
+from jaxkv.decoding.sampling import SamplingParams, sample, sampling_params
+from jaxkv.decoding.speculative import speculative_generate
+from jaxkv.decoding.stops import StopStrings, stop_strings
+from jaxkv.formats.audio import load_audio, log_mel
+from jaxkv.formats.load import load
+from jaxkv.formats.locate import default_model, default_whisper
+from jaxkv.formats.saved import save
+from jaxkv.formats.tokenizer import apply_chat_template, chat_template, load_tokenizer
+from jaxkv.front.stream import stream
+from jaxkv.models.maps import CheckpointError
+from jaxkv.ops.arrays import Int8
+
+# Modules the documentation names by these short paths (jaxkv.stops.cut, jaxkv.train.fit, ...).
+from jaxkv.core import sharding  # noqa: E402,I001
+from jaxkv.decoding import stops  # noqa: E402
+from jaxkv.front import jsonl, transcribe  # noqa: E402
+from jaxkv.training import train  # noqa: E402
 
 __all__ = [
     "CheckpointError", "Config", "EncoderConfig", "Forest", "Int8", "KVCache", "OutOfRange",
@@ -30,7 +50,8 @@ __all__ = [
     "chat_template", "decode_branches", "decode_step", "default_model", "default_whisper",
     "encode", "extend", "forest_logits", "forest_pass", "forward", "generate",
     "generate_branches", "generate_many", "init_cache", "init_params", "iter_many",
-    "iter_tokens", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix", "prefill",
-    "quantize", "sample", "sampling_params", "save", "score_continuations", "set_value_checks",
-    "speculative_generate", "stop_strings", "stream", "trace_counts",
+    "iter_tokens", "jsonl", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix",
+    "prefill", "quantize", "sample", "sampling_params", "save", "score_continuations",
+    "set_value_checks", "sharding", "speculative_generate", "stop_strings", "stops", "stream",
+    "trace_counts", "train", "transcribe",
 ]

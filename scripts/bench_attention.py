@@ -1,4 +1,4 @@
-"""The CPU attention kernel (jaxkv.kernels.attend) against XLA's attention, one run: a decode
+"""The CPU attention kernel (jaxkv.ops.cpu.kernels.attend) against XLA's attention, one run: a decode
 step's attention (one new token a row, its own key and value attended with the cache's) over
 every layer of a model's shape, each layer its own cache, as a step reads them from memory.
 
@@ -7,8 +7,8 @@ every layer of a model's shape, each layer its own cache, as a step reads them f
   python scripts/bench_attention.py --contexts 64 256 --repeats 1 --layers 2     # quick
 
 Each cell is the best of --repeats runs of 10 calls of one jitted function holding every
-layer's attention (attention.attend_parts, as decode_step calls it); kernel, XLA (the same
-function with the kernels off: attention._attend_parts_xla) and a read-bandwidth probe (a
+layer's attention (jaxkv.ops.cpu.attention, as decode_step calls it on the CPU); kernel, XLA
+(the portable backend: jaxkv.ops.xla.attention) and a read-bandwidth probe (a
 jitted sum of 512 MiB) run in turn in each round. GB/s = the keys' and values' bytes below the
 filled length (int8: with their scales) / time; MBU = that / the probe's. Writes <out>.json and
 <out>.png, naming the CPU.
@@ -19,7 +19,10 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from jaxkv import attention, cache, kernels, pages
+from jaxkv.ops import cpu as cpu_ops
+from jaxkv.ops import xla
+from jaxkv.ops.arrays import half_kv, quantize_kv
+from jaxkv.ops.cpu import kernels, pages
 
 from bench_kernels import against_xla, save  # scripts/
 
@@ -34,8 +37,8 @@ def caches(shape, dtype: str, layers: int, S: int):
     K, _, H, _ = shape
     keys = jax.random.split(jax.random.key(0), 2 * layers)
     xs = [jax.random.normal(k, (1, K, S, H)) for k in keys]
-    form = {"float32": lambda x: x, "bfloat16": lambda x: cache.half_kv(x, jnp.bfloat16),
-            "int8": cache.quantize_kv}[dtype]
+    form = {"float32": lambda x: x, "bfloat16": lambda x: half_kv(x, jnp.bfloat16),
+            "int8": quantize_kv}[dtype]
     xs = pages.huge_pages([form(x) for x in xs])
     return list(zip(xs[::2], xs[1::2]))
 
@@ -88,8 +91,8 @@ def main():
             for L in args.contexts:
                 kvs = caches(shape, dtype, layers, S=L + 16)
                 nbytes = read_bytes(kvs, L)
-                kernel_step = step(attention.attend_parts, shape, L)
-                xla_step = step(attention._attend_parts_xla, shape, L)
+                kernel_step = step(cpu_ops.attention, shape, L)
+                xla_step = step(xla.attention, shape, L)
                 t = against_xla(kernel_step, xla_step, (q_BTNH, kvs), nbytes, args.repeats)
                 read = t["read_bandwidth"]
                 row = dict(shape=name, kv_heads=K, group=G, head=H, layers=layers, cache=dtype,

@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv import multidecode as md
-from jaxkv.generate import generate_args, generate_loop
-from jaxkv.sampling import row_keys, sample, sampling_params
+from jaxkv.core import decoder
+from jaxkv.decoding import multidecode as md
+from jaxkv.decoding.generate import generate_args, generate_loop
+from jaxkv.decoding.sampling import row_keys, sample, sampling_params
 
 MODELS = {
     # Llama-shaped, ~32M parameters: big enough that weights dominate a step, small enough that
@@ -39,7 +40,7 @@ MODELS = {
 
 def load_model(name):
     if name == "smollm2":
-        from jaxkv.locate import default_model
+        from jaxkv.formats.locate import default_model
 
         return jaxkv.load(default_model())
     return jaxkv.init_params(jaxkv.Config.llama(**MODELS[name]), jax.random.key(0))
@@ -82,7 +83,7 @@ def methods(params, prompt, n, T, key):
     sampling = sampling_params(n, temperature=1.0)
     keys = row_keys(key, n)
     prefix = md.make_prefix(params, prompt)
-    prefill_bytes = peak_bytes(jaxkv.decoder._prefill_jit, params,
+    prefill_bytes = peak_bytes(decoder._prefill_jit, params,
                                jaxkv.init_cache(params, 1, prefix.cache.capacity),
                                jnp.zeros((1, prefix.cache.capacity), jnp.int32),
                                jnp.array([len(prompt)], jnp.int32), jnp.zeros(1, jnp.int32))

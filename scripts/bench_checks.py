@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv import checks
-from jaxkv.generate import generate_args, generate_loop
+from jaxkv.core import checks
+from jaxkv.decoding.generate import generate_args, generate_loop
 
 
 def cpu_name() -> str:

@@ -64,9 +64,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv import pages
-from jaxkv.cache import slots
-from jaxkv.checkpoint import gguf_reader
+from jaxkv.core.cache import slots
+from jaxkv.formats.gguf import gguf_reader
+from jaxkv.ops.cpu import kernels, pages
 
 from bench_checks import cpu_name  # scripts/
 
@@ -579,7 +579,7 @@ def _machine(result) -> str:
 
 def products() -> str:
     """Which matrix products jaxkv's decode steps ran: its CPU kernels or XLA's."""
-    return "jaxkv CPU kernels" if jaxkv.kernels.enabled() else "XLA"
+    return "jaxkv CPU kernels" if kernels.enabled() else "XLA"
 
 
 def _llamacpp_version():

@@ -1,4 +1,4 @@
-"""The CPU product kernels (jaxkv.kernels) against XLA's products, one run: the products of one
+"""The CPU product kernels (jaxkv.ops.cpu.kernels) against XLA's products, one run: the products of one
 SmolLM2-135M decode step (30 layers of wqkv 960x576, wo 576x576, w_in 3072x576, w_out 576x1536,
 then the 49152x576 head: 121 distinct random matrices, as a step streams them) for R rows of x.
 
@@ -6,7 +6,7 @@ then the 49152x576 head: 121 distinct random matrices, as a step streams them) f
   python scripts/bench_kernels.py --dtypes int8 --rows 1 4 --repeats 3 --layers 2   # quick
 
 Each cell is the best of --repeats runs of 10 calls of one jitted function holding every
-product; kernel and XLA (the einsum kernels.dense lowers to off the CPU) and a read-bandwidth
+product; kernel and XLA (the einsum kernels.product lowers to off the CPU) and a read-bandwidth
 probe (a jitted sum of 512 MiB) run in turn in each round. GB/s = weight bytes / time; MBU =
 that / the probe's. Writes <out>.json and <out>.png, naming the CPU. This is what chose
 kernels.ROWS: the largest row count at which the kernel still beats XLA.
@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import kernels, pages, quant
+from jaxkv.core import quant
+from jaxkv.ops.arrays import Int8, dequantize_rows
+from jaxkv.ops.cpu import kernels, pages
 
 from bench_checks import cpu_name  # scripts/
 
@@ -55,15 +57,15 @@ def step(product):
 
 
 def kernel_product(x_RI, w):
-    if isinstance(w, quant.Int8):
-        return kernels.dense_int8(x_RI, w.q, w.scale)
-    return kernels.dense(x_RI, w)
+    if isinstance(w, Int8):
+        return kernels.product_int8(x_RI, w.q, w.scale)
+    return kernels.product(x_RI, w)
 
 
 def xla_product(x_RI, w):
-    """What kernels.dense lowers to off the CPU: one einsum with a float32 result."""
-    if isinstance(w, quant.Int8):
-        w = quant.dequantize_rows(w.q, w.scale)
+    """What kernels.product lowers to off the CPU: one einsum with a float32 result."""
+    if isinstance(w, Int8):
+        w = dequantize_rows(w.q, w.scale)
     return jnp.einsum("RI,OI->RO", x_RI, w, preferred_element_type=jnp.float32)
 
 

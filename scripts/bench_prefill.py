@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct in float32 (the shipped GGUF, dequantized by each library), batch 1, a
 prompt of random token ids per length, a cache of exactly that many slots:
-  jaxkv        jaxkv.prefill (the prompt in chunks of decoder.default_chunk tokens; logits of
+  jaxkv        jaxkv.prefill (the prompt in chunks of jaxkv.ops.prefill_chunk tokens; logits of
                the last token only)
   hf           transformers' model(input_ids) under torch.no_grad(): logits at every position,
                as the issue's baseline measured it
@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 import jaxkv
-from jaxkv import checks, decoder
+from jaxkv.core import checks, decoder
 
 from bench_checks import cpu_name  # scripts/
 
@@ -216,7 +216,7 @@ def main():
                         choices=["jaxkv", "hf", "hf_last"])
     parser.add_argument("--chunks", type=int, nargs="+", default=[],
                         help="jaxkv chunk sizes to time besides prefill's own "
-                             "(decoder.default_chunk)")
+                             "(jaxkv.ops.prefill_chunk)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--torch-threads", type=int, default=None,

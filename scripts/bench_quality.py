@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv.attention import causal_mask
-from jaxkv.decoder import logits as head_logits
+from jaxkv.core.attention import causal_mask
+from jaxkv.core.decoder import logits as head_logits
 
 from bench_checks import cpu_name  # scripts/
 

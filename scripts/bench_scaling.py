@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxkv
-from jaxkv.attention import causal_mask
-from jaxkv.decoder import extend, logits
+from jaxkv.core.attention import causal_mask
+from jaxkv.core.decoder import extend, logits
 
 from bench_checks import cpu_name  # scripts/
 
@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--out", default="results/bench_scaling")
     args = ap.parse_args()
     if args.model == "smollm2":
-        from jaxkv.locate import default_model
+        from jaxkv.formats.locate import default_model
 
         args.model = default_model()
     elif args.model == "gemma3":

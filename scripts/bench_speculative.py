@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv import speculative
+from jaxkv.decoding import speculative
 
 from bench_checks import cpu_name  # scripts/
 

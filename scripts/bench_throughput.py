@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 import jaxkv
-from jaxkv import batching
+from jaxkv.decoding import batching
 
 from bench_checks import cpu_name  # scripts/
 

@@ -3,7 +3,7 @@
 For each model x dtype x batch: compiles the program jaxkv.generate runs (prefill of a 32-token
 prompt, then the while loop of decode steps) for random int8 weights, lists every float array it
 stores that holds as many values as an int8 matrix, one of its dimensions the matrix's rows
-(jaxkv.quant.float_copies: a float copy of weights), and saves the optimized HLO. A copy the
+(scripts/hlo.py float_copies: a float copy of weights), and saves the optimized HLO. A copy the
 decode loop uses is in the loop's computations: made there at every step, or made once before
 the loop and carried into it (its tuple then holds the copy). Other copies belong to the
 prefill (a product of many rows). Models: the shapes of bench_decode.RANDOM_MODELS. dtypes:
@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 
 import jaxkv
-from jaxkv import quant
-from jaxkv.checkpoint import config_from_hf
-from jaxkv.generate import generate_args, generate_loop
+from jaxkv.decoding.generate import generate_args, generate_loop
+from jaxkv.formats.hf import config_from_hf
 
 from bench_checks import cpu_name  # scripts/
 from bench_decode import RANDOM_MODELS
+from hlo import float_copies, hlo_computations
 
 DTYPES = {"int8": jnp.float32, "int8_bf16": jnp.bfloat16}
 
@@ -57,7 +57,7 @@ def loop_computations(hlo: str) -> set:
     calls = {name: {n.strip() for group in re.findall(
                  r"(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)", text)
                  for n in group.split(",")}
-             for name, text in quant.hlo_computations(hlo).items()}
+             for name, text in hlo_computations(hlo).items()}
     looped = set(re.findall(r"(?:body|condition)=(%[\w.\-]+)", hlo))
     frontier = set(looped)
     while frontier:
@@ -73,7 +73,7 @@ def check(params, batch: int, args, name: str) -> dict:
     with open(os.path.join(args.out + "_hlo", name + ".hlo.txt"), "w") as f:
         f.write(hlo)
     looped = loop_computations(hlo)
-    copies = quant.float_copies(params, hlo)
+    copies = float_copies(params, hlo)
     return dict(hlo=name, int8_arrays=len(re.findall(r"s8\[\d+,\d+\]", hlo)),
                 loop_copies=[list(s) + [c] for s, c in copies if c in looped],
                 prefill_copies=[list(s) + [c] for s, c in copies if c not in looped])

@@ -118,7 +118,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="results/profile_step")
     args = ap.parse_args()
-    from jaxkv.locate import default_model
+    from jaxkv.formats.locate import default_model
 
     params = jaxkv.cast(jaxkv.load(args.model or default_model()), getattr(jnp, args.dtype))
     cache = jaxkv.init_cache(params, args.batch, args.capacity)

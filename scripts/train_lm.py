@@ -23,7 +23,9 @@ import jax
 import numpy as np
 
 import jaxkv
-from jaxkv import train
+from jaxkv.training import train
+
+import training_run  # scripts/
 
 DATA = Path(__file__).resolve().parents[1] / "tests/data/tinyshakespeare.txt"
 # Flags that change the numbers: a resumed run must use the same ones.
@@ -37,7 +39,7 @@ def parse_args(argv=None):
     ap.add_argument("--data", default=str(DATA), help="a text file, read as bytes")
     ap.add_argument("--out", default="results/train_lm", help="loss PNG, run record, sample")
     ap.add_argument("--model-dir", default="runs/train_lm/model", help="the final jaxkv.save")
-    train.add_run_flags(ap, steps=600, lr=3e-3, warmup=50, every=200,
+    training_run.add_run_flags(ap, steps=600, lr=3e-3, warmup=50, every=200,
                         ckpt_dir="runs/train_lm/ckpt")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -99,7 +101,7 @@ def main(argv=None):
     data = jax.device_put(train_bytes)
     val_batches = train.lm_windows(val_bytes, args.batch, args.seq_len)
     run = {name: getattr(args, name) for name in RUN_FLAGS}
-    trained = train.train_from_flags(
+    trained = training_run.train_from_flags(
         args, model_config(args), run,
         lambda key, i: train.lm_batch(data, key, i, args.batch, args.seq_len), train.lm_loss,
         lambda params: train.mean_loss(params, val_batches, train.lm_loss))
@@ -117,13 +119,13 @@ def finish(args, params, meta, seconds):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sample.txt").write_text(text)
-    train.plot_losses(out / "loss.png", meta, "byte-level Llama on Tiny Shakespeare")
+    training_run.plot_losses(out / "loss.png", meta, "byte-level Llama on Tiny Shakespeare")
     val = meta["val"][-1][1]
     results = dict(data_sha256=hashlib.sha256(Path(args.data).read_bytes()).hexdigest(),
                    steps=args.steps, seconds=round(seconds, 1), train_loss=meta["train"][-1][1],
                    val_loss=val, val_bits_per_byte=val / np.log(2), sample=text,
                    curves={"train": meta["train"], "val": meta["val"]})
-    record = train.run_record(vars(args), args.seed, params, tokens, results)
+    record = training_run.run_record(vars(args), args.seed, params, tokens, results)
     (out / "run_record.json").write_text(json.dumps(record, indent=2))
     print(f"validation loss {val:.3f} nats/byte ({val / np.log(2):.3f} bits/byte) after "
           f"{args.steps} steps, {seconds:.0f} s")

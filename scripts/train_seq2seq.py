@@ -19,7 +19,9 @@ import jax
 import numpy as np
 
 import jaxkv
-from jaxkv import train
+from jaxkv.training import train
+
+import training_run  # scripts/
 
 PAD, EOS, DIGIT0 = 0, 1, 2  # T5's convention: PAD is also the decoder's start token
 VOCAB = DIGIT0 + 10
@@ -32,7 +34,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/train_seq2seq", help="results, PNG, run record")
-    train.add_run_flags(ap, steps=5000, lr=1e-2, warmup=100, every=500,
+    training_run.add_run_flags(ap, steps=5000, lr=1e-2, warmup=100, every=500,
                         ckpt_dir="runs/train_seq2seq/ckpt")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--d-model", type=int, default=64)
@@ -111,7 +113,7 @@ def main(argv=None):
     test_batches = [make_batch(sources[i:i + args.batch], lengths[i:i + args.batch])
                     for i in range(0, args.test_size - args.batch + 1, args.batch)]
     run = {name: getattr(args, name) for name in RUN_FLAGS}
-    trained = train.train_from_flags(
+    trained = training_run.train_from_flags(
         args, model_config(args), run,
         lambda key, i: training_batch(key, i, args.batch, held_out), train.seq2seq_loss,
         lambda params: train.mean_loss(params, test_batches, train.seq2seq_loss))
@@ -128,13 +130,13 @@ def finish(args, params, meta, sources, lengths, seconds):
     examples = [f"{digits(s)} -> {digits(t)}" for s, t in zip(sources[:4], tokens[:4])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    train.plot_losses(out / "loss.png", meta, "T5-style reversal of 4-12 digits")
+    training_run.plot_losses(out / "loss.png", meta, "T5-style reversal of 4-12 digits")
     results = dict(steps=args.steps, seconds=round(seconds, 1), train_loss=meta["train"][-1][1],
                    held_out_loss=meta["val"][-1][1], held_out_exact_match=match,
                    held_out_size=args.test_size, examples=examples,
                    curves={"train": meta["train"], "val": meta["val"]})
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    record = train.run_record(vars(args), args.seed, params, tokens, results)
+    record = training_run.run_record(vars(args), args.seed, params, tokens, results)
     (out / "run_record.json").write_text(json.dumps(record, indent=2))
     print("\n".join(examples))
     print(f"held-out exact match {match:.4f} ({args.test_size} strings) after {args.steps} steps, "

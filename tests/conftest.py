@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -10,10 +11,12 @@ import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# the scripts' own modules (hlo, training_run, bench_*) import as they do when run as scripts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jaxkv  # noqa: E402
-from jaxkv import train  # noqa: E402
+from jaxkv.training import train  # noqa: E402
 
 train.deterministic()  # on a GPU, as the training scripts run: bitwise-reproducible
 
@@ -56,10 +59,9 @@ def encdec(request):
 
 
 @pytest.fixture
-def xla_products(monkeypatch):
-    """Products and attention left to XLA, as on a GPU or TPU (or without a compiler, or with
-    JAXKV_CPU_KERNELS=0)."""
-    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
+def xla_backend(monkeypatch):
+    """The portable XLA backend (JAXKV_OPS=xla), as on a GPU or TPU, whatever the platform."""
+    monkeypatch.setenv("JAXKV_OPS", "xla")
     jax.clear_caches()
     yield
     monkeypatch.undo()
@@ -97,15 +99,15 @@ def gemma3_gguf():
 
 def hf_from_gguf(auto_class, path, **kwargs):
     """auto_class.from_pretrained(...) of a GGUF file, the file read by gguf's own GGUFReader
-    over a plain ndarray view of it (jaxkv.checkpoint._reader_class; test_checkpoint.py checks
+    over a plain ndarray view of it (jaxkv.formats.gguf._reader_class; test_checkpoint.py checks
     that it reads what GGUFReader reads), the rest transformers' own: numpy's memmap subclass
     costs microseconds a slice, and transformers' Gemma 3 load took 47 s that way, 23 this."""
     import gguf
 
-    from jaxkv import checkpoint
+    from jaxkv.formats import gguf as gguf_format
 
     real = gguf.GGUFReader
-    gguf.GGUFReader = checkpoint._reader_class()
+    gguf.GGUFReader = gguf_format._reader_class()
     try:
         return auto_class.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                           **kwargs)

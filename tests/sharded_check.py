@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
-from jaxkv.sharding import cache_shardings, make_mesh, shard_params  # noqa: E402
+from jaxkv.core.sharding import cache_shardings, make_mesh, shard_params  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.conftest import CONFIGS  # noqa: E402

@@ -8,7 +8,7 @@ import soundfile
 from transformers import WhisperFeatureExtractor
 
 import jaxkv
-from jaxkv import audio
+from jaxkv.formats import audio
 
 JFK = os.path.join(os.path.dirname(__file__), "data", "jfk.flac")
 

@@ -16,9 +16,9 @@ import torch
 from tokenizers import Tokenizer, models
 
 import jaxkv
+from jaxkv.formats.saved import MANIFEST, SAVED_CONFIG
 from jaxkv.models import llama
-from jaxkv.checkpoint import MANIFEST, SAVED_CONFIG
-from jaxkv.convert import CheckpointError
+from jaxkv.models.maps import CheckpointError
 from tests.conftest import CONFIGS, finish_gguf, random_tokens
 
 

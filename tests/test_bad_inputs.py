@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import checks
+from jaxkv.core import checks
 from tests.conftest import CONFIGS, ENCDEC_CONFIGS
 
 RUNTIME = (ValueError, jax.errors.JaxRuntimeError)  # eager: ValueError; compiled: XLA's error

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import batching
-from jaxkv.tracecount import TRACE_COUNTS
+from jaxkv.core.tracecount import TRACE_COUNTS
+from jaxkv.decoding import batching
 from tests.conftest import ENCDEC_CONFIGS, TINY, char_tokenizer, random_tokens
 
 EOS = 5

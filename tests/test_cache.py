@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.cache import HalfKV, write
+from jaxkv.core.cache import write
+from jaxkv.ops.arrays import HalfKV
 from tests.conftest import random_tokens
 
 

@@ -3,7 +3,7 @@ equals a fresh run over the whole conversation."""
 
 
 import jaxkv
-from jaxkv.chat import Chat
+from jaxkv.front.chat import Chat
 from tests.conftest import char_tokenizer
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}|{% endfor %}"

@@ -10,8 +10,9 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import jaxkv
-from jaxkv import checkpoint, quant
-from jaxkv.quant import Int8, dequantize_rows
+from jaxkv.core import quant
+from jaxkv.formats import gguf as gguf_format
+from jaxkv.ops.arrays import Int8, dequantize_rows
 from tests.conftest import CONFIGS, encoder_inputs, finish_gguf, random_tokens
 
 HF_NAMES = ["gpt2", "llama_gqa", "llama_mqa_bias"]
@@ -170,7 +171,7 @@ def test_gguf_reader_reads_what_gguf_reads(tmp_path):
                                                 .reshape(2, 64), q8_0), raw_dtype=q8_0)
     writer.add_tensor("f", np.arange(6, dtype=np.float32).reshape(2, 3))
     finish_gguf(writer)
-    ours, theirs = checkpoint.gguf_reader(path), gguf.GGUFReader(path)
+    ours, theirs = gguf_format.gguf_reader(path), gguf.GGUFReader(path)
     assert list(ours.fields) == list(theirs.fields)
     for a, b in zip(ours.fields.values(), theirs.fields.values()):
         assert (a.types, a.data) == (b.types, b.data) and a.contents() == b.contents()
@@ -289,7 +290,7 @@ def test_int8_must_be_a_bool(q8_0_gguf):
 
 def test_int8_blocks_with_a_transposing_map_are_refused():
     """GPT-2 stores [in, out]: turning that around would break the 32-input blocks."""
-    from jaxkv import convert
+    from jaxkv.models import maps as convert
     from jaxkv.models import gpt2
 
     config, rng = CONFIGS["gpt2"], np.random.default_rng(0)

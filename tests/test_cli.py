@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import jaxkv
-from jaxkv import cli
+from jaxkv.front import cli
 from tests.conftest import char_tokenizer
 
 
@@ -41,7 +41,7 @@ def refused(argv) -> str:
 
 
 def run_cli(*argv):
-    return subprocess.run([sys.executable, "-m", "jaxkv.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "jaxkv", *argv], capture_output=True,
                           text=True, timeout=600)
 
 
@@ -196,7 +196,7 @@ def test_jsonl_job_killed_and_resumed_answers_each_once(tiny_model_dir, tmp_path
     requests = tmp_path / "in.jsonl"
     requests.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n"
                                 for i in range(n)))
-    argv = [sys.executable, "-m", "jaxkv.cli", "generate", "--model", str(tiny_model_dir),
+    argv = [sys.executable, "-m", "jaxkv", "generate", "--model", str(tiny_model_dir),
             "--input", str(requests), "--max-new-tokens", "60", "--batch-size", "2",
             "--temperature", "0.9", "--compile-cache", str(tmp_path / "xla"), "--output"]
     whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
@@ -221,7 +221,7 @@ def test_chat_keeps_the_cache_between_turns(tmp_path, llama):
     path = tmp_path / "chatty"
     jaxkv.save(llama, path, tokenizer=char_tokenizer(llama.config.vocab_size),
                chat_template=template)
-    result = subprocess.run([sys.executable, "-m", "jaxkv.cli", "chat", "--model", str(path),
+    result = subprocess.run([sys.executable, "-m", "jaxkv", "chat", "--model", str(path),
                              "--max-new-tokens", "5", "--compile-cache", "off"],
                             input="Hi\nAnd then?\n", capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr

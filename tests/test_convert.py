@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkv import convert
+from jaxkv.core.params import init_params
 from jaxkv.models import gpt2, llama
-from jaxkv.params import init_params
+from jaxkv.models import maps as convert
 from tests.conftest import CONFIGS
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.attention import causal_mask
-from jaxkv.cache import store
-from jaxkv.decoder import cached_pass
+from jaxkv.core.attention import causal_mask
+from jaxkv.core.cache import store
+from jaxkv.core.decoder import cached_pass
 from tests.conftest import random_tokens
 
 TOL = 1e-4

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.convert import CheckpointError
-from jaxkv.layers import rope_frequencies
+from jaxkv.core.layers import rope_frequencies
+from jaxkv.models.maps import CheckpointError
 from tests.conftest import (HF_TINY, assert_logits_match_hf, assert_ragged_greedy_matches_hf,
                             assert_save_load_round_trip, edited_copy, random_tokens,
                             save_tiny_models)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.convert import CheckpointError
+from jaxkv.models.maps import CheckpointError
 from tests.conftest import (HF_TINY, assert_decode_equals_forward, assert_logits_match_hf,
                             assert_ragged_greedy_matches_hf, assert_save_load_round_trip,
                             edited_copy, random_tokens, save_tiny_models)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.sampling import row_keys, sample, sampling_params
+from jaxkv.decoding.sampling import row_keys, sample, sampling_params
 from tests.conftest import char_tokenizer
 
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2], [11], [3, 3, 60, 12, 40]]

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import jaxkv
-from jaxkv import jsonl
+from jaxkv.front import jsonl
 from tests.conftest import char_tokenizer
 
 REQUESTS = [{"prompt": "Hello there"}, {"prompt": "A", "max_new_tokens": 3},

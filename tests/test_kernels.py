@@ -15,8 +15,12 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import decoder, kernels
-from jaxkv.quant import dequantize_rows, quantize_matrix
+from jaxkv.core import decoder
+from jaxkv.core.quant import quantize_matrix
+from jaxkv.ops import cpu as cpu_ops
+from jaxkv.ops import xla
+from jaxkv.ops.arrays import dequantize_rows
+from jaxkv.ops.cpu import kernels
 from tests.conftest import CONFIGS, assert_decode_equals_forward, random_tokens
 
 
@@ -40,7 +44,7 @@ def test_float_product_equals_float64(R, I, O, dtype):
     """Rows not a multiple of the 4-row tile, inputs not a multiple of 16 lanes, many chunks."""
     x_RI = jax.random.normal(jax.random.key(0), (R, I))
     w_OI = jax.random.normal(jax.random.key(1), (O, I)).astype(dtype)
-    y_RO = jax.jit(kernels.dense)(x_RI, w_OI)
+    y_RO = jax.jit(kernels.product)(x_RI, w_OI)
     assert y_RO.dtype == jnp.float32 and y_RO.shape == (R, O)
     np.testing.assert_allclose(y_RO, reference(x_RI, w_OI.astype(jnp.float32)), atol=2e-5 * I)
 
@@ -56,17 +60,17 @@ def test_bfloat16_product_of_bfloat16_rows_equals_float64(R, I, x_dtype):
     32, 12 finished one by one), more rows are widened first."""
     x_RI = jax.random.normal(jax.random.key(0), (R, I)).astype(jnp.bfloat16).astype(x_dtype)
     w_OI = jax.random.normal(jax.random.key(1), (203, I)).astype(jnp.bfloat16)
-    lowered = jax.jit(kernels.dense).lower(x_RI, w_OI).as_text()
+    lowered = jax.jit(kernels.product).lower(x_RI, w_OI).as_text()
     x_type = "bf16" if x_dtype == jnp.bfloat16 else "f32"
     assert f"(tensor<{R}x{I}x{x_type}>, tensor<203x{I}xbf16>) -> tensor<{R}x203xf32>" in lowered
-    y_RO = jax.jit(kernels.dense)(x_RI, w_OI)
+    y_RO = jax.jit(kernels.product)(x_RI, w_OI)
     want = reference(x_RI.astype(jnp.float32), w_OI.astype(jnp.float32))
     np.testing.assert_allclose(y_RO, want, atol=2e-5 * I)
 
 
 def assert_int8_product_exact(x_RI, q_OI, scale_OB):
     """dense_int8 against a float64 product of the dequantized weights."""
-    y_RO = jax.jit(kernels.dense_int8)(x_RI, q_OI, scale_OB)
+    y_RO = jax.jit(kernels.product_int8)(x_RI, q_OI, scale_OB)
     w_OI = dequantize_rows(q_OI, scale_OB.astype(jnp.float32))
     np.testing.assert_allclose(y_RO, reference(x_RI, w_OI), atol=1e-4, rtol=1e-5)
 
@@ -103,11 +107,11 @@ def test_gradients_and_vmap_equal_the_plain_product():
     x_RI = jax.random.normal(jax.random.key(0), (2, 64))
     w_OI = jax.random.normal(jax.random.key(1), (32, 64))
     loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))  # noqa: E731
-    grads = jax.grad(loss(kernels.dense), argnums=(0, 1))(x_RI, w_OI)
+    grads = jax.grad(loss(kernels.product), argnums=(0, 1))(x_RI, w_OI)
     expected = jax.grad(loss(lambda x, w: x @ w.T), argnums=(0, 1))(x_RI, w_OI)
     for got, want in zip(grads, expected):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
-    batched = jax.vmap(kernels.dense, (0, None))(x_RI[:, None], w_OI)[:, 0]
+    batched = jax.vmap(kernels.product, (0, None))(x_RI[:, None], w_OI)[:, 0]
     np.testing.assert_allclose(batched, x_RI @ w_OI.T, atol=1e-4, rtol=1e-5)
 
 
@@ -119,7 +123,7 @@ def test_calls_in_flight_together_are_each_exact_and_repeat_bitwise():
     xs = [jax.random.normal(jax.random.key(i), (1 + i % 3, 96)) for i in range(8)]
     ws = [jax.random.normal(jax.random.key(100 + i), (300, 96)).astype(jnp.bfloat16)
           for i in range(8)]
-    products = jax.jit(lambda xs, ws: [kernels.dense(x, w) for x, w in zip(xs, ws)])
+    products = jax.jit(lambda xs, ws: [kernels.product(x, w) for x, w in zip(xs, ws)])
     first = [np.asarray(y) for y in products(xs, ws)]
     for x, w, y in zip(xs, ws, first):
         np.testing.assert_allclose(y, reference(x, w.astype(jnp.float32)), atol=2e-5 * 96)
@@ -132,7 +136,7 @@ def test_calls_in_flight_together_are_each_exact_and_repeat_bitwise():
 def test_other_platforms_lower_the_plain_product(platform):
     """The same function lowered for a GPU or TPU holds no call to the CPU kernels."""
     x_RI, w_OI = jnp.ones((1, 64)), jnp.ones((32, 64), jnp.bfloat16)
-    traced = jax.jit(kernels.dense).trace(x_RI, w_OI)
+    traced = jax.jit(kernels.product).trace(x_RI, w_OI)
     text = traced.lower(lowering_platforms=(platform,)).as_text()
     assert "jaxkv_dense" not in text and "dot_general" in text
     assert "@jaxkv_dense(" in traced.lower(lowering_platforms=("cpu",)).as_text()
@@ -166,11 +170,11 @@ def test_prefill_chunks_attend_in_the_kernel_on_the_cpu():
 
 @pytest.mark.parametrize("name,block", [("llama_gqa", "float"), ("gpt2", None),
                                         ("llama_mqa", 32)])
-def test_decoding_with_xla_products_equals_forward(xla_products, name, block):
+def test_decoding_with_xla_backend_equals_forward(xla_backend, name, block):
     params = jaxkv.init_params(CONFIGS[name], jax.random.key(1))
     if block != "float":
         params = jaxkv.quantize(params, block=block)
-    assert not kernels.fits(1, jnp.float32)
+    assert jaxkv.ops.backend_name() == "xla"
     assert_decode_equals_forward(params, random_tokens(2, (2, 12)), 8, 20)
 
 
@@ -235,15 +239,14 @@ def attention_case(H, dtype, key=0, T=3, N=4, S=37):
 
 
 def assert_kernel_attention_equals_xla(target, q_BTNH, k, v, mask_BTS, kv_len, own, softcap):
-    """attend_parts calls the kernel entry `target`, and its output and log-sum-exp equal XLA's
-    attention; a query that sees no key (row 1's first token in attention_case) gets 0 and
+    """The CPU backend's attention calls the kernel entry `target`, and its output and
+    log-sum-exp equal XLA's attention; a query that sees no key (row 1's first token in attention_case) gets 0 and
     -inf."""
-    from jaxkv import attention
     call = lambda f: jax.jit(lambda q: f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
                                          softcap))
-    assert f"@{target}(" in call(attention.attend_parts).lower(q_BTNH).as_text()
-    (out, lse), (want, want_lse) = (call(f)(q_BTNH) for f in (attention.attend_parts,
-                                                              attention._attend_parts_xla))
+    assert f"@{target}(" in call(cpu_ops.attention).lower(q_BTNH).as_text()
+    (out, lse), (want, want_lse) = (call(f)(q_BTNH) for f in (cpu_ops.attention,
+                                                              xla.attention))
     np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
     np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=2e-5)
     assert np.isneginf(lse[1, 0]).all() and (out[1, 0] == 0).all()
@@ -269,7 +272,6 @@ def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N, S):
     (64: a prefill chunk) over more keys than a block (256) holds; and a decode step's path (at
     most 8 queries per kv head, whole vectors of head size: keys across lanes) for 1 to 8
     queries, over keys that end inside a vector and a block; its derivative is XLA's."""
-    from jaxkv import attention
     q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, dtype, T=T, N=N, S=S)
     if kv_len is not None:
         mask_BTS = mask_BTS & (jnp.arange(mask_BTS.shape[2]) < kv_len)
@@ -279,8 +281,8 @@ def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N, S):
                                        softcap)
     loss = lambda f: lambda q: jnp.sum(jnp.sin(f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
                                                  softcap)[0]))
-    np.testing.assert_allclose(jax.grad(loss(attention.attend_parts))(q_BTNH),
-                               jax.grad(loss(attention._attend_parts_xla))(q_BTNH), atol=1e-5)
+    np.testing.assert_allclose(jax.grad(loss(cpu_ops.attention))(q_BTNH),
+                               jax.grad(loss(xla.attention))(q_BTNH), atol=1e-5)
 
 
 @pytest.mark.parametrize("H,softcap,kv_len,T,N,S", [
@@ -295,7 +297,7 @@ def test_attention_kernel_reads_an_int8_cache(H, softcap, kv_len, T, N, S):
     XLA's attention over the same int8 numbers; a query that sees no key gets 0 and -inf. A
     decode step's path (at most 8 queries per kv head, whole vectors of head size) and the
     general one (a prefill chunk's tiles and blocks)."""
-    from jaxkv.cache import quantize_kv
+    from jaxkv.ops.arrays import quantize_kv
     q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, jnp.float32, T=T, N=N,
                                                                       S=S)
     if kv_len is not None:
@@ -313,7 +315,6 @@ def test_attention_kernel_splits_a_decode_steps_keys(dtype, seen, H):
     cached keys, 1,900 filled: the keys are split into parts whose results are merged. Keys
     300-1,700 hidden (parts that see no key), or every cached key (only the last part's own key
     is seen). Head size 64 takes the decode path (keys across lanes), 20 the general one."""
-    from jaxkv import attention
     B, K, S, U = 1, 1, 2000, 1
     k = jax.random.split(jax.random.key(4), 5)
     q_BTNH = jax.random.normal(k[0], (B, 1, 3, H))
@@ -324,6 +325,6 @@ def test_attention_kernel_splits_a_decode_steps_keys(dtype, seen, H):
     own = (kv[2], kv[3], jnp.ones((B, 1, U), bool), None)
     run = lambda f: jax.jit(lambda q: f(q, kv[0], kv[1], mask_S[None, None], 0.3, None,  # noqa
                                         1900, own, None))(q_BTNH)
-    (out, lse), (want, want_lse) = run(attention.attend_parts), run(attention._attend_parts_xla)
+    (out, lse), (want, want_lse) = run(cpu_ops.attention), run(xla.attention)
     np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
     np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=2e-5)

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import blocks, decoder, encoder, multidecode
-from jaxkv.cache import Int8KV, dequantize_kv, quantize_kv
+from jaxkv.core import blocks, decoder, encoder
+from jaxkv.decoding import multidecode
+from jaxkv.ops.arrays import Int8KV, dequantize_kv, quantize_kv
 from tests.conftest import CONFIGS, ENCDEC_CONFIGS, encoder_inputs, random_tokens
 
 # int8 cache vs the fake-quantized forward: float order (measured <= 3.1e-7), except where

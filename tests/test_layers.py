@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv.layers import rope, rope_frequencies, rope_turns
+from jaxkv.core.layers import rope, rope_frequencies, rope_turns
 
 
 def test_rope_turns_each_pair_by_its_angle():

@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import jaxkv
-from jaxkv import cli, locate
+from jaxkv.formats import locate
+from jaxkv.front import cli
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import jaxkv
-from jaxkv import multidecode as md
-from jaxkv.sampling import row_keys
+from jaxkv.decoding import multidecode as md
+from jaxkv.decoding.sampling import row_keys
 from tests.conftest import hf_configs
 
 TOL = 1e-5
@@ -274,7 +274,7 @@ def test_beam_search_equals_hugging_face(peaked_hf, name, eos_step, length_penal
                 max_new_tokens=steps, length_penalty=length_penalty, eos_token_id=eos,
                 pad_token_id=0, early_stopping=False, return_dict_in_generate=True,
                 output_scores=True)
-        tokens, scores, lengths = md.beam_search(params, prompt, beams, steps,
+        tokens, scores, lengths = jaxkv.beam_search(params, prompt, beams, steps,
                                                  length_penalty=length_penalty, eos_id=eos)
         theirs = out.sequences[:, len(prompt):].numpy()
         for i in range(beams):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import pages
+from jaxkv.ops.cpu import pages
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import decoder, kernels
+from jaxkv.core import decoder
+from jaxkv.ops import cpu as cpu_ops
+from jaxkv.ops.cpu import kernels
+from jaxkv.ops.xla import PREFILL_CHUNK as CHUNK
 from tests.conftest import random_tokens
 
 TOL = 1e-4
@@ -90,14 +93,15 @@ def test_one_row_on_the_cpu_takes_the_kernels_chunk():
     blocks the kernel does not take (8 inputs): CHUNK. A 200-token prompt (four passes of 64 in
     the 256 bucket) still equals forward."""
     params = jaxkv.init_params(MODELS["gqa"], jax.random.key(11))
-    kernel_chunk = decoder.ROW_CHUNK if kernels.enabled() else decoder.CHUNK
-    assert decoder.default_chunk(params, 1, 256) == kernel_chunk
-    assert decoder.default_chunk(jaxkv.quantize(params), 1, 256) == kernel_chunk
-    assert decoder.default_chunk(jaxkv.quantize(params, block=8), 1, 256) == decoder.CHUNK
+    kernel_chunk = cpu_ops.ROW_CHUNK if kernels.enabled() else CHUNK
+    chunk = lambda p, rows, tokens: cpu_ops.prefill_chunk(p.blocks[0].wqkv, rows, tokens)  # noqa
+    assert chunk(params, 1, 256) == kernel_chunk
+    assert chunk(jaxkv.quantize(params), 1, 256) == kernel_chunk
+    assert chunk(jaxkv.quantize(params, block=8), 1, 256) == CHUNK
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    assert decoder.default_chunk(half, 1, 256) == decoder.CHUNK
-    assert decoder.default_chunk(params, 1, 4096) == decoder.CHUNK
-    assert decoder.default_chunk(params, 4, 256) == decoder.CHUNK
+    assert chunk(half, 1, 256) == CHUNK
+    assert chunk(params, 1, 4096) == CHUNK
+    assert chunk(params, 4, 256) == CHUNK
     tokens_BT = random_tokens(12, (1, 200))
     logits_BV, _ = jaxkv.prefill(params, jaxkv.init_cache(params, 1, 256), tokens_BT)
     np.testing.assert_allclose(logits_BV[0], jaxkv.forward(params, tokens_BT)[0, -1], atol=TOL,

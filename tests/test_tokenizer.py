@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import jaxkv
-from jaxkv.locate import default_model
+from jaxkv.formats.locate import default_model
 from tests.conftest import finish_gguf, hf_from_gguf
 
 GGUF = default_model()

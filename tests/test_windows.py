@@ -66,13 +66,13 @@ def test_gemma3_270m_cache_is_a_fifth_of_full_size():
     assert slots / (18 * 8192) == pytest.approx(0.22, abs=0.005)
 
 
-@pytest.mark.parametrize("xla", [False, True], ids=["kernels", "xla_products"])
+@pytest.mark.parametrize("xla", [False, True], ids=["kernels", "xla_backend"])
 def test_ragged_prefill_in_pieces_then_decode_equals_forward(xla, request):
     """Prompts of 9 and 21 tokens prefilled in two calls (the second longer than the ring, so
     prefill splits it), then decoded one token at a time, three windows past the start; also
     as a GPU or TPU runs it (XLA's products and attention)."""
     if xla:
-        request.getfixturevalue("xla_products")
+        request.getfixturevalue("xla_backend")
     params = windowed()
     tokens_BT = random_tokens(5, (2, 30))
     ref_BTV = jaxkv.forward(params, tokens_BT)

@@ -5,7 +5,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 
-from jaxkv.convert import CheckpointError
+from jaxkv.models.maps import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,10 +10,10 @@ import dataclasses
 
 import numpy as np
 
-from jaxkv.config import Config
-from jaxkv.convert import CheckpointError, norm
+from jaxkv.core.config import Config
 from jaxkv.models import llama
 from jaxkv.models.common import activation, gguf_arch_field, special_ids, window, with_defaults
+from jaxkv.models.maps import CheckpointError, norm
 
 # transformers' Gemma2Config defaults
 GEMMA2_DEFAULTS = dict(intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,

@@ -1,8 +1,8 @@
 """GPT-2: config.json keys and defaults, and the name map of GPT2LMHeadModel."""
 
-from jaxkv.config import Config
-from jaxkv.convert import CheckpointError, Src, norm, out_proj, qkv, rows, transpose
+from jaxkv.core.config import Config
 from jaxkv.models.common import activation, special_ids, with_defaults
+from jaxkv.models.maps import CheckpointError, Src, norm, out_proj, qkv, rows, transpose
 
 # transformers' GPT2Config defaults for keys a config.json may omit
 HF_DEFAULTS = dict(n_positions=1024, n_layer=12, n_head=12, n_inner=None,

@@ -1,8 +1,8 @@
 """Llama (1, 2, 3.x with RoPE scaling): config.json keys and defaults, GGUF metadata, and the
 Llama-shaped name map that Qwen, Mistral and Gemma reuse with their own tensor names."""
 
-from jaxkv.config import ROPE_SCALINGS, Config
-from jaxkv.convert import (CheckpointError, Src, feed_forward, linear_qkv, norm, out_proj,
+from jaxkv.core.config import ROPE_SCALINGS, Config
+from jaxkv.models.maps import (CheckpointError, Src, feed_forward, linear_qkv, norm, out_proj,
                            unpermute_rope_rows)
 from jaxkv.models.common import (activation, gguf_arch_field, gguf_arch_required, gguf_id,
                                  gguf_required, gguf_stop_ids, gguf_tensor_names, special_ids,

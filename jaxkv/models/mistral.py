@@ -1,7 +1,7 @@
 """Mistral: Llama whose every layer reads a sliding window: config.json keys and defaults.
 Weights use Llama's names (llama.hf_map)."""
 
-from jaxkv.config import Config
+from jaxkv.core.config import Config
 from jaxkv.models import llama
 from jaxkv.models.common import window, with_defaults
 

@@ -2,7 +2,7 @@
 explicit head_dim): config.json keys and defaults, GGUF metadata (llama.cpp's qwen2, qwen3).
 Weights use Llama's names; llama.cpp does not permute their Q/K rows."""
 
-from jaxkv.config import Config
+from jaxkv.core.config import Config
 from jaxkv.models import llama
 from jaxkv.models.common import window, with_defaults
 

@@ -1,9 +1,9 @@
 """T5 (original and v1.1 / flan): config.json keys and defaults, and the name map of
 T5ForConditionalGeneration."""
 
-from jaxkv.config import Config
-from jaxkv.convert import CheckpointError, Src, cross, feed_forward, linear_qkv, norm, out_proj
+from jaxkv.core.config import Config
 from jaxkv.models.common import special_ids, with_defaults
+from jaxkv.models.maps import CheckpointError, Src, cross, feed_forward, linear_qkv, norm, out_proj
 
 # transformers' T5Config defaults; T5 starts decoding from its pad id, 0
 HF_DEFAULTS = dict(d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=None, num_heads=8,

@@ -3,8 +3,8 @@ CTranslate2's WhisperSpec (its variables and config.json) and its names."""
 
 import re
 
-from jaxkv.config import Config
-from jaxkv.convert import (CheckpointError, Src, cross, feed_forward, linear_qkv, norm,
+from jaxkv.core.config import Config
+from jaxkv.models.maps import (CheckpointError, Src, cross, feed_forward, linear_qkv, norm,
                            out_proj, qkv, rows)
 from jaxkv.models.common import activation, special_ids, with_defaults
 

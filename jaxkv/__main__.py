@@ -1,0 +1,5 @@
+"""`python -m jaxkv ...`: the command line (jaxkv.front.cli)."""
+
+from jaxkv.front.cli import main
+
+main()

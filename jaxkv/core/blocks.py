@@ -1,0 +1,113 @@
+"""The sublayers every transformer here is built from: self-attention, cross-attention, MLP.
+
+Each takes a pre-norm residual stream x_BTD and returns it updated; `b` is one layer's Block
+(or Cross) parameters.
+"""
+
+import jax.numpy as jnp
+
+from jaxkv import ops
+from jaxkv.core import cache as cache_lib
+from jaxkv.core.attention import attend, attend_shared, merge_parts
+from jaxkv.core.layers import mlp, norm, rope, rope_frequencies, rope_turns
+
+
+def turns(config, pos_BT, local=False):
+    """What self_attention needs of positions pos_BT: RoPE's (cos, sin) (a window layer's when
+    local), made once for all the layers of a pass; None for other position kinds."""
+    if config.position != "rope":
+        return None
+    return rope_turns(pos_BT, rope_frequencies(config.head_dim, *config.rope(local)))
+
+
+def project_qkv(config, b, h_BTD, turns_BT):
+    """Queries [B, T, N, H], keys and values [B, T, K, H] from the fused wqkv; then per-head
+    norms of queries and keys (config.qk_norm) and RoPE (turns_BT, from `turns`; None: none)."""
+    B, T, _ = h_BTD.shape
+    K, G, H = config.n_kv_heads, config.group_size, config.head_dim
+    y_BTKJH = ops.matmul(h_BTD, b.wqkv, b.bqkv).reshape(B, T, K, G + 2, H)
+    q_BTNH = y_BTKJH[:, :, :, :G].reshape(B, T, K * G, H)
+    k_BTKH, v_BTKH = y_BTKJH[:, :, :, G], y_BTKJH[:, :, :, G + 1]
+    if config.qk_norm:
+        q_BTNH = norm(q_BTNH, b.q_norm, "rmsnorm", config.norm_eps)
+        k_BTKH = norm(k_BTKH, b.k_norm, "rmsnorm", config.norm_eps)
+    if turns_BT is not None:
+        q_BTNH, k_BTKH = rope(q_BTNH, turns_BT), rope(k_BTKH, turns_BT)
+    return q_BTNH, k_BTKH, v_BTKH
+
+
+def project_out(b, o_BTNH):
+    """The attention output [B, T, N, H] projected back to the stream [B, T, D]."""
+    B, T, N, H = o_BTNH.shape
+    return ops.matmul(o_BTNH.reshape(B, T, N * H), b.wo, b.bo, costly_x=True)
+
+
+def residual(config, x_BTD, y_BTD, out_norm):
+    """x + y, y normed by out_norm first where the model norms sublayer outputs (post_norms)."""
+    if config.post_norms:
+        y_BTD = norm(y_BTD, out_norm, config.norm, config.norm_eps)
+    return x_BTD + y_BTD
+
+
+def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv=None,
+                   prefix=None, write=True):
+    """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)); turns_BT: the tokens' positions as
+    RoPE needs them (`turns`: the layer's own, a window layer's when it has its own base).
+
+    kv is None when the keys are this call's tokens (uncached: mask_BTS over them), or
+    (k_BKSH, v_BKSH, view): this call's tokens read the cache as it was and each other, as the
+    cache.View says, in one softmax; then their keys and values are written at view.slot_BT.
+    prefix, optional, is (k_PKSH, v_PKSH, mask_PS, prefix_len): keys shared by groups of B / P
+    rows (a common prompt), attended once per group and merged by log-sum-exp.
+    write=False leaves the cache as it was and returns this call's keys and values [B, K, T, H]
+    in place of the cache's, for the caller to store where it chooses.
+    """
+    h_BTD = norm(x_BTD, b.attn_norm, config.norm, config.norm_eps)
+    q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, h_BTD, turns_BT)
+    k_BKTH, v_BKTH = jnp.swapaxes(k_BTKH, 1, 2), jnp.swapaxes(v_BTKH, 1, 2)
+    scale, cap = config.attn_scale, config.attn_softcap
+    if kv is None:
+        o_BTNH = attend(q_BTNH, k_BKTH, v_BKTH, mask_BTS, scale, bias_BNTS, softcap=cap)
+        return residual(config, x_BTD, project_out(b, o_BTNH), b.attn_out_norm), (k_BKTH, v_BKTH)
+    k_cache, v_cache, view = kv
+    own = (k_BKTH, v_BKTH, view.own_mask_BTT,
+           None if bias_BNTS is None else cache_lib.at_slots(bias_BNTS, view.slot_BT[:, None]))
+    out_BTNH, lse_BTN = ops.attention(q_BTNH, k_cache, v_cache, view.cache_mask_BTS, scale,
+                                      bias_BNTS=bias_BNTS, kv_len=view.kv_len, own=own,
+                                      softcap=cap)
+    if prefix is not None:
+        shared = attend_shared(q_BTNH, *prefix[:3], scale, prefix[3], cap)
+        out_BTNH, _ = merge_parts(out_BTNH, lse_BTN, *shared)
+    out_BTD = project_out(b, out_BTNH.astype(x_BTD.dtype))
+    if not write:
+        return residual(config, x_BTD, out_BTD, b.attn_out_norm), (k_BKTH, v_BKTH)
+    # The writes come after the reads and depend on them (+ 0 * output), which lets XLA update
+    # the cache in place; written while a read of it is pending, XLA copies the whole cache.
+    after_BT11 = 0 * out_BTNH[:, :, :1, :1]
+    k_BKSH = cache_lib.write(k_cache, k_BTKH + after_BT11, view.slot_BT)
+    v_BKSH = cache_lib.write(v_cache, v_BTKH + after_BT11, view.slot_BT)
+    return residual(config, x_BTD, out_BTD, b.attn_out_norm), (k_BKSH, v_BKSH)
+
+
+def cross_attention(config, c, x_BTD, k_BKMH, v_BKMH, mask_BM):
+    """Cross-attention sublayer over precomputed encoder keys/values (no projection of them)."""
+    B, T, _ = x_BTD.shape
+    h_BTD = norm(x_BTD, c.norm, config.norm, config.norm_eps)
+    q_BTNH = ops.matmul(h_BTD, c.wq, c.bq).reshape(B, T, config.n_heads, config.head_dim)
+    mask_BTM = jnp.broadcast_to(mask_BM[:, None, :], (mask_BM.shape[0], T, mask_BM.shape[1]))
+    o_BTNH = attend(q_BTNH, k_BKMH, v_BKMH, mask_BTM, config.attn_scale)
+    return x_BTD + project_out(c, o_BTNH)
+
+
+def cross_kv(config, c, states_BMD):
+    """One layer's cross-attention keys and values [B, K, M, H] of the encoder states."""
+    B, M, _ = states_BMD.shape
+    y_BMK2H = ops.matmul(states_BMD, c.wkv, c.bkv).reshape(B, M, config.n_kv_heads, 2,
+                                                      config.head_dim)
+    return jnp.swapaxes(y_BMK2H[:, :, :, 0], 1, 2), jnp.swapaxes(y_BMK2H[:, :, :, 1], 1, 2)
+
+
+def feed_forward(config, b, x_BTD):
+    """MLP sublayer."""
+    y_BTD = mlp(norm(x_BTD, b.mlp_norm, config.norm, config.norm_eps), b, config)
+    return residual(config, x_BTD, y_BTD, b.mlp_out_norm)

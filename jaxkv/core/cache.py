@@ -1,0 +1,145 @@
+"""The KV cache: a preallocated fixed-shape pytree. A global layer keeps one slot per position of
+each row; a sliding-window layer keeps a ring of the last R = min(window, capacity) positions.
+
+Encoder-decoder models also keep the cross-attention keys and values here: they depend on the
+encoder output alone, so they are computed once, when the cache is made (decoder.init_cache),
+and only read after.
+
+A layer's keys and values are stored as jaxkv.ops.kv_layer says: an array of the cache's dtype,
+Int8KV for an int8 cache (int8 numbers, one float32 scale per row, kv head and slot), or HalfKV
+(the bits of bfloat16 / float16) where the backend stores them so.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxkv import ops
+from jaxkv.ops.arrays import HalfKV, Int8KV, half_kv, quantize_kv
+
+
+@struct.dataclass
+class KVCache:
+    """Per layer (separate arrays: see params.py), heads before slots, as attention reads them.
+
+    A global layer's slot s holds row b's position s. A window layer (config.window_layers) holds
+    position p at slot p mod R, R = ring_size(config, capacity); ring_pos says which position each
+    ring slot holds, so the ring costs R slots however long the row grows.
+    """
+
+    k: tuple  # L x [B, K, S, H] (Int8KV, HalfKV); S = capacity in a global layer, R in a ring
+    v: tuple  # L x [B, K, S, H] (Int8KV, HalfKV)
+    ring_pos: jax.Array | None = None  # [B, R] int32: position held by each ring slot, -1: none
+    cross_k: tuple | None = None  # L x [B, K, M, H] (Int8KV, HalfKV); encoder-decoder only
+    cross_v: tuple | None = None  # L x [B, K, M, H] (Int8KV, HalfKV)
+    cross_mask: jax.Array | None = None  # [B, M] bool; False at encoder padding
+    capacity: int = struct.field(pytree_node=False, default=None)  # positions a row may hold
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def dtype(self):
+        """What the keys and values are stored as: a float dtype or int8."""
+        return self.k[0].dtype
+
+
+def ring_size(config, capacity: int) -> int | None:
+    """Slots of a window layer's ring: the window, or the capacity if that is smaller."""
+    return None if config.sliding_window is None else min(config.sliding_window, capacity)
+
+
+def slots(config, layer: int, capacity: int) -> int:
+    """Slots of one layer's cache."""
+    return ring_size(config, capacity) if layer in config.window_layers else capacity
+
+
+def empty(config, batch_size: int, capacity: int, dtype) -> KVCache:
+    """An empty cache of batch_size rows of capacity positions, stored as dtype (arguments
+    checked by the caller: see decoder.init_cache)."""
+    shapes = [(batch_size, config.n_kv_heads, slots(config, i, capacity), config.head_dim)
+              for i in range(config.n_layers)]
+    k, v = (tuple(ops.empty_kv_layer(shape, dtype) for shape in shapes) for _ in "kv")
+    R = ring_size(config, capacity)
+    ring_pos = None if R is None else jnp.full((batch_size, R), -1, jnp.int32)
+    return KVCache(k=k, v=v, ring_pos=ring_pos, capacity=capacity)
+
+
+def with_cross(cache: KVCache, cross_k, cross_v, mask_BM, dtype) -> KVCache:
+    """cache holding the encoder's cross-attention keys and values (per layer [B, K, M, H]),
+    stored as dtype, and the mask of real encoder positions [B, M]."""
+    return cache.replace(cross_k=tuple(ops.kv_layer(k, dtype) for k in cross_k),
+                         cross_v=tuple(ops.kv_layer(v, dtype) for v in cross_v),
+                         cross_mask=mask_BM)
+
+
+class View(NamedTuple):
+    """How one call's T tokens read and write one kind of layer's cache (S slots)."""
+
+    slot_BT: jax.Array  # where each token's K/V go; a slot outside [0, S) is not stored
+    cache_mask_BTS: jax.Array  # which slots of the cache as it was (before the writes) it reads
+    own_mask_BTT: jax.Array  # which of this call's tokens it reads
+    kv_len: jax.Array | None  # no token reads a slot >= kv_len (attention skips them)
+
+
+def linear_view(mask_BTS, slot_BT, kv_len=None) -> View:
+    """A global layer's: mask_BTS over its slots; the slots this call writes hold none of its
+    tokens yet, so they are read only through the call's own keys."""
+    written_BS = (jnp.arange(mask_BTS.shape[2]) == slot_BT[:, :, None]).any(1)
+    return View(slot_BT, mask_BTS & ~written_BS[:, None, :], at_slots(mask_BTS, slot_BT), kv_len)
+
+
+def ring_view(ring_pos_BR, window: int, mask_BTS, pos_BT, slot_BT, kv_len=None):
+    """A window layer's (View, ring_pos after the writes): the token at position p goes to ring
+    slot p mod R (if its global slot is in [0, S)), and reads the positions mask_BTS allows that
+    are > p - window. A ring slot holding a position this call writes again is not read."""
+    B, R = ring_pos_BR.shape
+    S = mask_BTS.shape[2]
+    stored_BT = (slot_BT >= 0) & (slot_BT < S)
+    ring_slot_BT = jnp.where(stored_BT, pos_BT % R, R)
+    held_BTR = jnp.broadcast_to(jnp.where(ring_pos_BR >= 0, ring_pos_BR, S)[:, None, :],
+                                (B, pos_BT.shape[1], R))
+    allowed_BTR = jnp.take_along_axis(mask_BTS, held_BTR, axis=2, mode="fill", fill_value=False)
+    rewritten_BR = ((ring_pos_BR[:, None, :] == pos_BT[:, :, None]) & stored_BT[:, :, None]).any(1)
+    near = lambda key_pos_BX: key_pos_BX[:, None, :] > pos_BT[:, :, None] - window  # noqa: E731
+    cache_mask_BTR = allowed_BTR & near(ring_pos_BR) & ~rewritten_BR[:, None, :]
+    own_mask_BTT = at_slots(mask_BTS, slot_BT) & near(pos_BT)
+    rows_B1 = jnp.arange(B)[:, None]
+    ring_pos_BR = ring_pos_BR.at[rows_B1, ring_slot_BT].set(pos_BT, mode="drop")
+    view = View(ring_slot_BT, cache_mask_BTR, own_mask_BTT,
+                None if kv_len is None else jnp.minimum(kv_len, R))
+    return view, ring_pos_BR
+
+
+def at_slots(x_BXTS, slot_BT):
+    """x_BXTS (a mask or bias, X any middle axes) at the slots this call's tokens write:
+    [..., T, T]; False / 0 where a slot is outside [0, S) (such a token is not stored)."""
+    index = jnp.broadcast_to(slot_BT[..., None, :], (*x_BXTS.shape[:-1], slot_BT.shape[-1]))
+    return jnp.take_along_axis(x_BXTS, index, axis=-1, mode="fill", fill_value=0)
+
+
+def store(cache: KVCache, kv, slot_BT) -> KVCache:
+    """cache with a pass's own keys and values kv = (k, v), L x [B, K, T, H] (as
+    decoder.cached_pass returns them with write=False), stored at slot_BT [B, T] of every layer;
+    slots outside [0, S) are dropped."""
+    put = lambda layer, new_BKTH: write(layer, jnp.swapaxes(new_BKTH, 1, 2), slot_BT)  # noqa
+    return cache.replace(k=tuple(map(put, cache.k, kv[0])), v=tuple(map(put, cache.v, kv[1])))
+
+
+def write(cache_BKSH, new_BTKH, slot_BT):
+    """Stores new_BTKH[b, t] at slot slot_BT[b, t] of row b; slots outside [0, S) are dropped.
+    An Int8KV cache stores them quantized, and their scales [B, K, S] the same way; a HalfKV
+    cache their bits."""
+    if isinstance(cache_BKSH, Int8KV):
+        new = quantize_kv(new_BTKH)
+        return Int8KV(write(cache_BKSH.q, new.q, slot_BT),
+                      write(cache_BKSH.scale, new.scale, slot_BT))
+    if isinstance(cache_BKSH, HalfKV):
+        bits = half_kv(new_BTKH, cache_BKSH.dtype).bits
+        return cache_BKSH.replace(bits=write(cache_BKSH.bits, bits, slot_BT))
+    rows_B1 = jnp.arange(cache_BKSH.shape[0])[:, None]
+    # Advanced indices around a slice: the indexed view is [B, T, K, H], like new_BTKH.
+    return cache_BKSH.at[rows_B1, :, slot_BT].set(new_BTKH.astype(cache_BKSH.dtype), mode="drop")

@@ -1,0 +1,3 @@
+"""The decoding loops over the core: generate, continuous batching, speculative decoding,
+MultiDecode forests and branches, beam search; the row state, sampling and stop strings they
+share."""

@@ -1,0 +1,324 @@
+"""Continuous batching: generate_many keeps batch_size rows busy over a whole data set.
+
+A row that ends (EOS or its token budget) takes the next prompt at once: the prompt is
+prefilled into that row alone, in pieces of PIECE tokens between short runs of decoding, and the
+row restarts at position 0 while its neighbours go on. Every row carries its own position, so
+nothing else changes shape: one compiled admission and one compiled decoding loop serve every
+prompt length and every answer length.
+"""
+
+import functools
+import sys
+import time
+from collections.abc import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxkv.core import checks
+from jaxkv.core.attention import causal_mask
+from jaxkv.core.cache import KVCache
+from jaxkv.core.decoder import cached_pass, init_cache, logits, prefill_padded
+from jaxkv.core.tracecount import count_trace
+from jaxkv.decoding import rows as answers_lib
+from jaxkv.decoding import stops
+from jaxkv.decoding.prompts import capacity_for, eos_ids
+from jaxkv.decoding.sampling import SamplingParams, base_key, row_keys, sampling_params
+from jaxkv.decoding.stops import StopStrings
+
+PIECE = 128  # prompt tokens prefilled into a row per admission call
+STEPS_BETWEEN_PIECES = 8  # decode steps the other rows take while a prompt is being admitted
+
+
+@struct.dataclass
+class Rows:
+    """batch_size rows, each serving one prompt at a time (B rows, N = the largest budget)."""
+
+    cache: KVCache
+    logits: jax.Array  # [B, V] float32: the next token's
+    pos: jax.Array  # [B] int32: where the row's next token goes
+    keys: jax.Array  # [B] keys: the row's prompt's (fold_in(key, prompt index))
+    budget: jax.Array  # [B] int32: the row's prompt's max_new_tokens
+    answers: answers_lib.Answers  # done: ended, idle, or its prompt still being admitted
+
+
+def empty_rows(params, batch_size: int, capacity: int, max_new_tokens: int,
+               stop_prefixes: int = 0) -> Rows:
+    B, V = batch_size, params.config.vocab_size
+    answers = answers_lib.empty(B, max_new_tokens, stop_prefixes, seen_BV=jnp.zeros((B, V), bool),
+                                done_B=jnp.ones((B,), bool))
+    return Rows(init_cache(params, B, capacity), jnp.zeros((B, V), jnp.float32),
+                jnp.zeros((B,), jnp.int32), row_keys(None, B), jnp.zeros((B,), jnp.int32),
+                answers)
+
+
+@functools.partial(jax.jit, donate_argnames="rows")
+def admit(params, rows: Rows, row, tokens_P, length, start, key, budget) -> Rows:
+    """Prefills tokens_P[:length] into row `row` at positions start.. (start 0: a new prompt,
+    which forgets the row's last one). The row starts decoding once start + length is the
+    whole prompt, i.e. when called with its last piece: the caller says so through budget > 0."""
+    count_trace("admit")
+    with checks.trusted():  # row, start and length come from Schedule, which checked them
+        return _admit(params, rows, row, tokens_P, length, start, key, budget)
+
+
+def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget) -> Rows:
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)  # noqa: E731
+    cache_1 = jax.tree.map(take, rows.cache)
+    if cache_1.ring_pos is not None:  # a new prompt: the ring's positions are another row's
+        cache_1 = cache_1.replace(ring_pos=jnp.where(start == 0, -1, cache_1.ring_pos))
+    logits_1V, cache_1 = prefill_padded(params, cache_1, tokens_P[None], length[None],
+                                        start[None])
+    put = lambda x, x_1: jax.lax.dynamic_update_slice_in_dim(x, x_1, row, 0)  # noqa: E731
+    a = rows.answers
+    seen_V = answers_lib.prompt_seen(a.seen.shape[1], tokens_P[None], length[None])[0]
+    seen_V |= a.seen[row] & (start > 0)
+    return rows.replace(cache=jax.tree.map(put, rows.cache, cache_1),
+                        logits=rows.logits.at[row].set(logits_1V[0]),
+                        pos=rows.pos.at[row].set(start + length), keys=rows.keys.at[row].set(key),
+                        budget=rows.budget.at[row].set(budget),
+                        answers=answers_lib.restart(a, row, seen_V, budget == 0))
+
+
+@functools.partial(jax.jit, donate_argnames="rows")
+def decode(params, rows: Rows, sampling: SamplingParams, eos_E, stop: StopStrings,
+           max_steps) -> Rows:
+    """Up to max_steps tokens for every decoding row; returns early once some row ends (EOS,
+    a stop string, or its budget)."""
+    count_trace("decode_rows")
+    with checks.trusted():  # positions stay below the capacity Schedule checked
+        return _decode(params, rows, sampling, eos_E, stop, max_steps)
+
+
+def _decode(params, rows: Rows, sampling: SamplingParams, eos_E, stop: StopStrings,
+            max_steps) -> Rows:
+    B = rows.pos.shape[0]
+
+    def step(carry):
+        rows, n, _ = carry
+        token_B = answers_lib.draw(rows.answers, rows.logits, sampling, rows.keys)
+        answers, ended_B = answers_lib.append(rows.answers, token_B[:, None],
+                                              jnp.ones((B,), jnp.int32), eos_E, stop, rows.budget)
+        going_B = ~answers.done
+        pos_B1 = rows.pos[:, None]
+        x_B1D, cache = cached_pass(params, rows.cache, token_B[:, None], pos_B1,
+                                   jnp.where(going_B[:, None], pos_B1, rows.cache.capacity),
+                                   causal_mask(pos_B1, rows.cache.capacity),
+                                   kv_len=jnp.max(jnp.where(going_B, rows.pos, 0)) + 1)
+        rows = rows.replace(cache=cache, logits=logits(params, x_B1D)[:, 0],
+                            pos=rows.pos + going_B, answers=answers)
+        return rows, n + 1, ended_B.any()
+
+    def more(carry):
+        rows, n, ended = carry
+        return (n < max_steps) & ~ended & ~rows.answers.done.all()
+
+    rows, _, _ = jax.lax.while_loop(more, step, (rows, jnp.int32(0), False))
+    return rows
+
+
+def generate_many(params, prompts: Iterable, max_new_tokens, **options) -> list[list[int]]:
+    """Each prompt's answer (its generated ids, EOS included when drawn), in input order.
+
+    prompts: any iterable of token-id lists; max_new_tokens: an int or one per prompt. Options
+    as iter_many's. Greedy answers equal generate's for the prompt alone; sampled ones equal
+    generate's with key=[fold_in(key, i)] for prompt i, whatever the batch size or order."""
+    answers = dict(iter_many(params, prompts, max_new_tokens, **options))
+    return [answers[i] for i in range(len(answers))]
+
+
+def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16,
+              progress=False, **options) -> Iterator:
+    """(prompt index, answer ids) as each prompt ends, over batch_size rows kept busy.
+
+    A list or tuple of prompts sizes the cache itself (longest prompt + largest budget); other
+    iterables (a generator: memory stays bounded by batch_size) need max_len, the positions one
+    row may hold. Options: temperature, top_k, top_p, min_p, repetition_penalty (scalars, as
+    generate's); key: prompt i draws with fold_in(key, indices[i]) (indices: default 0, 1, ...;
+    a resumed job passes the indices its prompts had in the whole data set); eos_id: an id or
+    ids that end an answer (included in it); stop: strings that end an answer, checked on the
+    answer's text as it grows (a list with tokenizer=, or jaxkv.stop_strings tables); the
+    answer keeps the token that completed one (stops.cut cuts its text)."""
+    schedule = Schedule(params, prompts, max_new_tokens, batch_size, **options)
+    bar = Progress(len(schedule.prompts) if isinstance(schedule.prompts, (list, tuple)) else None,
+                   progress)
+    while schedule.fill():
+        schedule.admit_pieces()
+        schedule.decode(STEPS_BETWEEN_PIECES if schedule.admitting() else schedule.N)
+        for i, answer in schedule.harvest():
+            bar.update(len(answer))
+            yield i, answer
+
+
+def iter_tokens(params, prompt, max_new_tokens: int, *, steps: int = 1, **options) -> Iterator:
+    """One prompt's answer as it is drawn: lists of new ids, one per compiled call of up to
+    `steps` decode steps (a program with no host callback, unlike generate's on_token).
+    Options as iter_many's; the answer equals generate's for the prompt."""
+    schedule = Schedule(params, [prompt], max_new_tokens, 1, **options)
+    schedule.fill()
+    yield from schedule.stream(steps)
+
+
+class Schedule:
+    """The host side: which prompt each row serves, and how much of it is prefilled."""
+
+    def __init__(self, params, prompts, max_new_tokens, batch_size, *, temperature=0.0,
+                 top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
+                 eos_id=None, stop=None, tokenizer=None, max_len=None, indices=None):
+        c = self.config = params.config
+        if c.is_encoder_decoder:
+            raise ValueError("generate_many: encoder-decoder models are not supported (their "
+                             "rows need encoder inputs); use generate")
+        batch_size = checks.int_arg(batch_size, "batch_size")
+        self.budgets, N = budget_list(max_new_tokens)
+        self.N = checks.bucket_len(N)  # the answers' buffer: a new budget in its bucket reuses it
+        self.prompts, self.capacity = sized(c, prompts, self.N, max_len)
+        self.limit = (f"max_len ({self.capacity})" if max_len is not None else
+                      f"the model's max_seq_len ({self.capacity})"
+                      if self.capacity == c.max_seq_len else f"the cache's {self.capacity}")
+        self.queue = enumerate(self.prompts)
+        self.sampling = sampling_params(batch_size, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, min_p=min_p,
+                                        repetition_penalty=repetition_penalty)
+        self.stop, self.eos_E = stops.tables(c, stop, tokenizer), eos_ids(eos_id)
+        self.params, self.key, self.indices = params, base_key(key), indices
+        if self.key.ndim != 0:
+            raise ValueError(f"key must be one key (prompt i uses fold_in(key, i)), got key "
+                             f"shape {self.key.shape}")
+        self.rows = empty_rows(params, batch_size, self.capacity, self.N,
+                               self.stop.completes.shape[1])
+        self.serving = [None] * batch_size  # row -> [prompt index, ids, ids prefilled, budget]
+
+    def decode(self, steps: int):
+        self.rows = decode(self.params, self.rows, self.sampling, self.eos_E, self.stop,
+                           jnp.int32(steps))
+
+    def fill(self) -> bool:
+        """Gives every free row the next prompt; False once no row has work left."""
+        for b, serving in enumerate(self.serving):
+            if serving is None:
+                i, ids = next(self.queue, (None, None))
+                if i is None:
+                    break
+                self.serving[b] = [i, self.checked(i, ids), 0, self.budgets(i)]
+        return not all(s is None for s in self.serving)
+
+    def checked(self, i, ids):
+        """Prompt i's ids, which must fit a row with its budget."""
+        if np.size(ids) == 0:
+            raise ValueError(f"prompts[{i}] is empty: every prompt needs a token")
+        ids = np.asarray(checks.token_ids(self.config, ids, f"prompts[{i}]", 1), np.int32)
+        n, budget = ids.shape[0], self.budgets(i)
+        if n + budget > self.capacity:
+            raise ValueError(f"prompts[{i}]: {n} tokens + max_new_tokens {budget} = "
+                             f"{n + budget} positions, more than {self.limit}")
+        return ids
+
+    def stream(self, steps: int) -> Iterator:
+        """Row 0's prompt admitted, then its answer: lists of new ids, one per decode call."""
+        while self.admitting():
+            self.admit_pieces()
+        sent = 0
+        while True:
+            self.decode(steps)
+            a = self.rows.answers
+            t_B, done_B, tokens_BN = jax.device_get((a.length, a.done, a.tokens))
+            if t_B[0] > sent:
+                yield tokens_BN[0, sent: t_B[0]].tolist()
+                sent = t_B[0]
+            if done_B[0]:
+                self.serving[0] = None
+                return
+
+    def admitting(self):
+        return any(s is not None and s[2] < len(s[1]) for s in self.serving)
+
+    def admit_pieces(self):
+        """One piece of every prompt being admitted."""
+        for b, s in enumerate(self.serving):
+            if s is not None and s[2] < len(s[1]):
+                i, ids, start, budget = s
+                piece = ids[start: start + PIECE]
+                s[2] = start + len(piece)
+                tokens_P = np.zeros((PIECE,), np.int32)
+                tokens_P[: len(piece)] = piece
+                self.rows = admit(self.params, self.rows, jnp.int32(b), tokens_P,
+                                  jnp.int32(len(piece)), jnp.int32(start), self.prompt_key(i),
+                                  jnp.int32(budget if s[2] == len(ids) else 0))
+
+    def prompt_key(self, i: int):
+        return jax.random.fold_in(self.key, i if self.indices is None else self.indices[i])
+
+    def harvest(self):
+        """(prompt index, answer) of every decoding row that has ended; those rows go free."""
+        done_B, t_B = jax.device_get((self.rows.answers.done, self.rows.answers.length))
+        ended = [b for b, s in enumerate(self.serving)
+                 if s is not None and s[2] == len(s[1]) and done_B[b]]
+        tokens_BN = np.asarray(self.rows.answers.tokens) if ended else None
+        for b in ended:
+            yield self.serving[b][0], tokens_BN[b, : t_B[b]].tolist()
+            self.serving[b] = None
+
+
+def budget_list(max_new_tokens):
+    """(prompt index -> max_new_tokens, the largest) from an int or one int per prompt."""
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        values = [checks.int_arg(n, f"max_new_tokens[{i}]") for i, n in enumerate(max_new_tokens)]
+        if not values:
+            raise ValueError("max_new_tokens is an empty list: expected one int per prompt")
+
+        def budget(i):
+            if i >= len(values):
+                raise ValueError(f"max_new_tokens has {len(values)} values, but there are "
+                                 f"more prompts (prompt {i})")
+            return values[i]
+
+        return budget, max(values)
+    n = checks.int_arg(max_new_tokens, "max_new_tokens")
+    return lambda i: n, n
+
+
+def cache_capacity(config, prompts, max_new_tokens, max_len=None) -> int:
+    """The positions each row's cache holds for these prompts (see iter_many)."""
+    return sized(config, prompts, checks.bucket_len(budget_list(max_new_tokens)[1]), max_len)[1]
+
+
+def sized(config, prompts, N, max_len):
+    """(prompts, cache capacity): a list sizes it; other iterables need max_len."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be an iterable of token-id lists, got "
+                        f"{type(prompts).__name__}")
+    if max_len is not None:
+        capacity = capacity_for(config, 0, N, max_len)
+        if capacity > config.max_seq_len:
+            raise ValueError(f"max_len={capacity} exceeds the model's max_seq_len "
+                             f"({config.max_seq_len})")
+    elif isinstance(prompts, (list, tuple)):
+        longest = max((np.size(p) for p in prompts), default=1)
+        capacity = capacity_for(config, checks.bucket_len(longest), N)
+    else:
+        raise ValueError("prompts is an iterator, so generate_many cannot size the cache "
+                         "ahead: pass max_len (longest prompt + max_new_tokens)")
+    return prompts, capacity
+
+
+class Progress:
+    """prompts done, tokens/s and the time left, on stderr (when on)."""
+
+    def __init__(self, total, on: bool):
+        self.total, self.on, self.done, self.tokens = total, on, 0, 0
+        self.start = time.perf_counter()
+
+    def update(self, new_tokens: int):
+        self.done, self.tokens = self.done + 1, self.tokens + new_tokens
+        if not self.on:
+            return
+        elapsed = time.perf_counter() - self.start
+        line = f"\r{self.done}" + (f"/{self.total}" if self.total else "") + " prompts"
+        line += f", {self.tokens / elapsed:.1f} tokens/s"
+        if self.total:
+            line += f", ETA {elapsed / self.done * (self.total - self.done):.0f} s"
+        sys.stderr.write(line + ("\n" if self.done == self.total else ""))
+        sys.stderr.flush()

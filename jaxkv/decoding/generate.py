@@ -1,0 +1,153 @@
+"""generate: prefill, then a while loop of decode_step, compiled as one program."""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.experimental import io_callback
+
+from jaxkv.core import checks
+from jaxkv.core.cache import KVCache
+from jaxkv.core.decoder import decode_step, init_cache, prefill_padded
+from jaxkv.core.sharding import constrain_cache, shard_params, shard_rows
+from jaxkv.core.tracecount import count_trace
+from jaxkv.decoding import rows, stops
+from jaxkv.decoding.prompts import (capacity_for, check_room, eos_ids, pad_value,
+                                    padded_encoder_inputs, prepare_prompts, token_mask)
+from jaxkv.decoding.sampling import SamplingParams, row_keys, sampling_params
+from jaxkv.decoding.stops import StopStrings
+
+
+@struct.dataclass
+class _Decoding:
+    cache: KVCache
+    logits: jax.Array  # [B, V] float32: the next token's
+    pos: jax.Array  # [B] int32: where the next token goes
+    answers: rows.Answers
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token", "mesh",
+                                             "kv_dtype"))
+def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id,
+                  suppress_V, begin_suppress_V, stop: StopStrings, encoder_inputs=None,
+                  encoder_lengths=None, *,
+                  max_new_tokens: int, capacity: int, on_token=None, mesh=None, kv_dtype=None):
+    """The compiled program behind generate: (encoder and cross K/V,) prefill, then a while
+    loop of sample + decode_step that stops when every row has ended."""
+    count_trace("generate")
+    B = tokens_BT.shape[0]
+    cache = constrain_cache(init_cache(params, B, capacity, kv_dtype,
+                                       encoder_inputs=encoder_inputs,
+                                       encoder_lengths=encoder_lengths), mesh)
+    logits_BV, cache = prefill_padded(params, cache, tokens_BT, lengths_B,
+                                      jnp.zeros((B,), jnp.int32))
+    seen_BV = rows.prompt_seen(params.config.vocab_size, tokens_BT, lengths_B)
+    answers = rows.empty(B, max_new_tokens, stop.completes.shape[1], pad_id, seen_BV)
+    state = _Decoding(constrain_cache(cache, mesh), logits_BV, lengths_B, answers)
+
+    def draw(s: _Decoding):
+        """(s with every row's next token recorded, the tokens [B]: pad_id after a row's end)."""
+        first_B1 = (s.answers.length == 0)[:, None]
+        token_B = rows.draw(s.answers, s.logits, sampling, keys_B,
+                            suppress_V | (begin_suppress_V & first_B1), pad_id)
+        if on_token is not None:
+            io_callback(on_token, None, token_B, ordered=True)
+        answers, _ = rows.append(s.answers, token_B[:, None], jnp.ones((B,), jnp.int32), eos_E,
+                                 stop, max_new_tokens)
+        return s.replace(answers=answers), token_B
+
+    def step(s: _Decoding) -> _Decoding:
+        s, token_B = draw(s)
+        logits_BV, cache = decode_step(params, s.cache, token_B, s.pos)
+        return s.replace(cache=constrain_cache(cache, mesh), logits=logits_BV, pos=s.pos + 1)
+
+    # The last token needs no decode step after it; nor does anything once every row has ended.
+    more = lambda s: (jnp.max(s.answers.length) < max_new_tokens - 1) & ~jnp.all(  # noqa
+        s.answers.done)
+    state, _ = draw(jax.lax.while_loop(more, step, state))
+    return state.answers.tokens, state.answers.length
+
+
+def generate(params, prompts, max_new_tokens: int, **options):
+    """Continues each prompt by up to max_new_tokens tokens: (tokens [B, max_new_tokens], lengths [B]).
+
+    prompts: a list of token-id lists (ragged) or a [B, T] array with lengths=[B]. Options:
+    temperature (0: greedy), top_k, top_p, min_p, repetition_penalty: scalars or per-row [B]
+    sequences, None meaning off; key: one key (row b uses fold_in(key, b)) or [B] keys;
+    eos_id: an id or a list of ids; after a row's EOS its tokens are pad_id (default: the first
+    EOS id) and its length counts the EOS; stop: strings that end a row (with tokenizer=, or
+    jaxkv.stop_strings tables), checked on token ids in the loop: the row's length counts the
+    token that completed one (jaxkv.stops.cut cuts the text); max_len: the cache capacity
+    (default: prompt bucket + max_new_tokens); on_token(token [B]): called from inside the
+    compiled loop for each token drawn (generation stops early once every row has ended);
+    mesh: a jax.sharding.Mesh with axes ("data", "model") (see jaxkv.sharding.make_mesh): rows
+    are split over "data", heads / MLP width / vocabulary over "model"; kv_dtype: the cache's
+    dtype (init_cache's: float32, bfloat16, float16 or int8; default the params').
+    """
+    args, static = generate_args(params, prompts, max_new_tokens, **options)
+    if static["on_token"] is None:
+        return generate_loop(*args, **static)
+    try:  # wait here, so that an exception on_token raised surfaces as itself
+        return jax.block_until_ready(generate_loop(*args, **static))
+    except jax.errors.JaxRuntimeError:
+        if RaisedInCallback.errors:
+            raise RaisedInCallback.errors.pop() from None
+        raise
+
+
+@dataclasses.dataclass(frozen=True)
+class RaisedInCallback:
+    """on_token as the compiled loop calls it: an exception it raises is kept, and generate
+    raises it as itself instead of XLA's runtime error. Equal for the same function, so wrapping
+    it never recompiles."""
+
+    fn: Callable
+    errors: ClassVar[list] = []
+
+    def __call__(self, token_B):
+        try:
+            self.fn(token_B)
+        except Exception as e:
+            RaisedInCallback.errors[:] = [e]
+            raise
+
+
+def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, temperature=0.0,
+                  top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
+                  eos_id=None, pad_id=None, max_len=None, on_token=None, encoder_inputs=None,
+                  encoder_lengths=None, suppress_ids=None, begin_suppress_ids=None, mesh=None,
+                  kv_dtype=None, stop=None, tokenizer=None):
+    """Validated (args, static kwargs) for generate_loop; lets callers compile ahead of time."""
+    c = params.config
+    tokens_BT, lengths_B = prepare_prompts(c, prompts, lengths)
+    B, T = tokens_BT.shape
+    max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
+    capacity = capacity_for(c, T, max_new_tokens, max_len)
+    check_room(c, lengths_B, max_new_tokens, capacity, max_len)
+    sampling = sampling_params(B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                               repetition_penalty=repetition_penalty)
+    eos_E = eos_ids(eos_id)
+    pad_id = pad_value(pad_id, eos_id, eos_E)
+    suppress_V = token_mask(c, c.suppress_ids if suppress_ids is None else suppress_ids,
+                            "suppress_ids")
+    begin_V = token_mask(c, c.begin_suppress_ids if begin_suppress_ids is None else
+                         begin_suppress_ids, "begin_suppress_ids")
+    encoder = padded_encoder_inputs(c, encoder_inputs, encoder_lengths, B)
+    per_row = (tokens_BT, lengths_B, sampling, row_keys(key, B))
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (see jaxkv.make_mesh), got "
+                        f"{type(mesh).__name__}")
+    if mesh is not None:
+        params = shard_params(params, mesh)
+        per_row = jax.tree.map(lambda x: shard_rows(x, mesh), per_row)
+        encoder = jax.tree.map(lambda x: shard_rows(x, mesh), encoder)
+    args = (params, *per_row, eos_E, jnp.int32(pad_id), suppress_V, begin_V,
+            stops.tables(c, stop, tokenizer), *encoder)
+    on_token = None if on_token is None else RaisedInCallback(on_token)
+    kv_dtype = None if kv_dtype is None else checks.kv_dtype(kv_dtype, "kv_dtype")
+    return args, dict(max_new_tokens=max_new_tokens, capacity=capacity, on_token=on_token,
+                      mesh=mesh, kv_dtype=kv_dtype)

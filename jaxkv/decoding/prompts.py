@@ -1,0 +1,109 @@
+"""What every decoding loop checks and prepares before it compiles: prompts (ragged lists or
+a padded array), cache capacity, end ids, padding, token masks and encoder inputs."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.core import checks
+
+
+def prepare_prompts(config, prompts, lengths=None):
+    """Right-padded tokens [B, bucket(T)] and lengths [B] from ragged lists or a [B, T] array."""
+    if isinstance(prompts, (list, tuple)) and not (prompts and isinstance(prompts[0], str)):
+        if lengths is not None:
+            raise ValueError("lengths is only for a [B, T] prompts array, not a list of lists")
+        prompts, lengths = pad_rows(config, prompts)
+    elif prompts is None:
+        raise TypeError("prompts must be a list of token-id lists or a [B, T] array, got None")
+    tokens_BT = checks.int_array(prompts, "prompts", 2)
+    B, T = tokens_BT.shape
+    lengths_B = jnp.full((B,), T, jnp.int32) if lengths is None else checks.int_array(
+        lengths, "lengths", 1, (1, T + 1),
+        f"is not a prompt length: expected 1 <= length <= {T}")
+    if lengths_B.shape != (B,):
+        raise ValueError(f"lengths must have shape ({B},), got {lengths_B.shape}")
+    lengths = np.asarray(lengths_B)
+    for b in range(B):
+        checks.token_ids(config, tokens_BT[b, : lengths[b]], f"prompts[{b}]", 1)
+    return checks.pad_to_bucket(tokens_BT), lengths_B
+
+
+def pad_rows(config, prompts):
+    """(tokens [B, T] right-padded with 0, lengths [B]) from a list of token-id lists."""
+    if not prompts:
+        raise ValueError("prompts is empty: expected at least one prompt")
+    if np.ndim(prompts[0]) == 0:
+        raise TypeError(f"prompts must be a list of token-id lists (one per row), got "
+                        f"{prompts!r:.60}; for one prompt p, pass [p]")
+    for i, p in enumerate(prompts):
+        if np.size(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+    rows = [checks.token_ids(config, p, f"prompts[{i}]", 1) for i, p in enumerate(prompts)]
+    lengths = np.array([row.shape[0] for row in rows], np.int32)
+    tokens = np.zeros((len(rows), lengths.max()), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, : row.shape[0]] = row
+    return tokens, lengths
+
+
+def capacity_for(config, padded_len: int, new_tokens: int, max_len=None) -> int:
+    """Cache slots for prompts padded to padded_len followed by new_tokens: max_len when given
+    (a positive int), else padded_len + new_tokens, at most the model's max_seq_len."""
+    if max_len is None:
+        return min(padded_len + new_tokens, config.max_seq_len)
+    return checks.int_arg(max_len, "max_len")
+
+
+def check_room(config, lengths_B, max_new_tokens: int, capacity: int, max_len=None):
+    """The longest prompt and max_new_tokens must fit the model's max_seq_len and the cache."""
+    longest = int(np.max(np.asarray(lengths_B)))
+    need = f"{longest} + {max_new_tokens} = {longest + max_new_tokens} positions"
+    if longest + max_new_tokens > config.max_seq_len:
+        raise ValueError(f"prompt + max_new_tokens = {need}, more than the model's max_seq_len "
+                         f"({config.max_seq_len})")
+    if max_len is not None and longest + max_new_tokens > capacity:
+        raise ValueError(f"prompt + max_new_tokens = {need}, over the cache capacity (max_len: "
+                         f"{capacity})")
+
+
+def token_mask(config, ids, name: str):
+    """A [V] bool mask of ids."""
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    if ((ids < 0) | (ids >= config.vocab_size)).any():
+        raise ValueError(f"{name} must hold token ids in [0, {config.vocab_size}), got "
+                         f"{ids[(ids < 0) | (ids >= config.vocab_size)].tolist()}")
+    return jnp.zeros((config.vocab_size,), bool).at[ids].set(True)
+
+
+def padded_encoder_inputs(config, encoder_inputs, encoder_lengths, batch_size: int):
+    """(inputs, lengths) for generate_loop, checked (checks.encoder_args); token inputs padded
+    to a length bucket, so a new length within it does not recompile. (None, None) for a
+    decoder-only model given none."""
+    if not config.is_encoder_decoder and encoder_inputs is None:
+        return None, None
+    inputs, lengths_B = checks.encoder_args(config, encoder_inputs, encoder_lengths, batch_size)
+    if config.encoder.input == "tokens":
+        B, M = inputs.shape
+        lengths_B = jnp.full((B,), M, jnp.int32) if lengths_B is None else lengths_B
+        padded = min(checks.bucket_len(M), config.encoder.max_input_len)
+        inputs = jnp.pad(inputs, ((0, 0), (0, padded - M)))
+    return inputs, lengths_B
+
+
+def eos_ids(eos_id):
+    """[E] int32 end-of-sequence ids ([-1]: none) from None, an id or a list of ids."""
+    if eos_id is None:
+        return jnp.array([-1], jnp.int32)
+    ids = np.asarray(eos_id)
+    if ids.ndim > 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        raise ValueError(f"eos_id must be a token id or a non-empty list of token ids, got "
+                         f"{eos_id!r}")
+    checks.in_range(ids, "eos_id", 0, checks.INT32_MAX, "is not a token id")
+    return jnp.atleast_1d(jnp.asarray(ids, jnp.int32))
+
+
+def pad_value(pad_id, eos_id, eos_E) -> int:
+    """pad_id, checked; by default the first EOS id, or 0 without one."""
+    if pad_id is None:
+        pad_id = 0 if eos_id is None else int(eos_E[0])
+    return checks.int_arg(pad_id, "pad_id", minimum=0)

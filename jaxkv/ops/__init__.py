@@ -1,0 +1,102 @@
+"""The one door between the model and a backend.
+
+The model calls these functions only; the backend behind them is chosen by the platform JAX
+computes on (cpu: jaxkv.ops.cpu; anything else: jaxkv.ops.xla, the portable reference), or
+forced with JAXKV_OPS=xla|cpu. The choice is made when a function is traced, so a process
+that changes JAXKV_OPS calls jax.clear_caches() after. Every backend keeps the contracts
+below and is tested against jaxkv.ops.xla.
+"""
+
+import importlib
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.ops.arrays import HALF_DTYPES, HalfKV, Int8, Int8KV, half_kv, quantize_kv
+
+BACKENDS = {"xla": "jaxkv.ops.xla", "cpu": "jaxkv.ops.cpu"}
+BY_PLATFORM = {"cpu": "cpu"}  # platforms with a backend of their own; others run xla
+
+
+def backend_name() -> str:
+    """The backend in use: $JAXKV_OPS, else the one for the platform JAX computes on."""
+    name = os.environ.get("JAXKV_OPS") or BY_PLATFORM.get(jax.default_backend(), "xla")
+    if name not in BACKENDS:
+        raise ValueError(f"JAXKV_OPS must be one of {', '.join(BACKENDS)} (or unset), got "
+                         f"{name!r}")
+    return name
+
+
+def backend():
+    """The module of the backend in use (see backend_name)."""
+    return importlib.import_module(BACKENDS[backend_name()])
+
+
+def matmul(x_BTI, w, b_O=None, *, dtype=None, costly_x: bool = False):
+    """x @ w.T (+ b): x [B, T, I]; w [O, I] float32, bfloat16 or Int8 (read as int8, never
+    copied to float); b [O] or None. Accumulates in float32; the result has dtype (default
+    x's). costly_x says the work that made x is more than a product should redo per row of w
+    (attention, a gated activation), for backends that fuse x's producers into the product."""
+    return backend().matmul(x_BTI, w, b_O, dtype, costly_x)
+
+
+def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, *, bias_BNTS=None, kv_len=None,
+              own=None, softcap=None):
+    """Grouped-query attention: (output [B, T, N, H], log-sum-exp [B, T, N]), both float32.
+
+    Keys and values are [B, K, S, H] in any float dtype, HalfKV or Int8KV (whose scales
+    multiply the scores and the softmax weights: the cache is never dequantized); G = N // K
+    query heads share each kv head. mask_BTS[b, t, s]: query t of row b may read key s.
+    bias_BNTS (optional; its batch and T may be 1) is added to the scaled scores. kv_len
+    (optional, traced): no query reads a slot >= kv_len, so work may follow the filled length.
+    own (optional): a second key set (k_BKUH, v_BKUH, mask_BTU, bias_BNTU or None), e.g. the
+    call's own tokens, read in the same softmax; over an Int8KV cache it is read quantized, as
+    the cache will hold it. softcap (optional): scaled scores s become softcap tanh(s /
+    softcap). A query with no visible key gets output 0 and lse -inf, never NaN.
+    """
+    return backend().attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
+                               softcap)
+
+
+def kv_layer(x_XH, dtype):
+    """Keys or values [..., H] as a cache layer of dtype stores them: Int8KV for int8; for
+    bfloat16 / float16, HalfKV (their bits) where the backend stores them so, else an array."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.int8:
+        return quantize_kv(x_XH)
+    if dtype in HALF_DTYPES and backend().HALF_KV_BITS:
+        return half_kv(x_XH, dtype)
+    return x_XH.astype(dtype)
+
+
+def empty_kv_layer(shape, dtype):
+    """An empty cache layer [B, K, S, H] of dtype, stored as kv_layer stores it."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.int8:
+        return Int8KV(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
+    if dtype in HALF_DTYPES and backend().HALF_KV_BITS:
+        return HalfKV(jnp.zeros(shape, jnp.uint16), dtype)
+    return jnp.zeros(shape, dtype)
+
+
+def placed(tree):
+    """tree with its weights placed where the backend reads them best (on the CPU: 2 MiB
+    pages); what load, cast and quantize return."""
+    return backend().placed(tree)
+
+
+def materialized(x):
+    """x computed once, as arrays, where the backend would otherwise recompute it inside each
+    of its consumers (RoPE's factors, shared by every head of every layer)."""
+    return backend().materialized(x)
+
+
+def prefill_chunk(w_qkv, rows: int, tokens: int) -> int:
+    """Prompt tokens per prefill pass for `rows` rows padded to `tokens`, given the model's
+    first fused Q/K/V matrix (its dtype says which products the pass runs)."""
+    return backend().prefill_chunk(w_qkv, rows, tokens)
+
+
+__all__ = ["HALF_DTYPES", "HalfKV", "Int8", "Int8KV", "attention", "backend", "backend_name",
+           "empty_kv_layer", "kv_layer", "matmul", "materialized", "placed", "prefill_chunk"]

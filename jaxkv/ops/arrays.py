@@ -1,0 +1,98 @@
+"""The stored forms that every backend reads: int8 weight matrices (Int8) and cache layers of
+int8 (Int8KV) or 16-bit float bits (HalfKV). Pure data and the arithmetic that defines it; no
+backend is named here."""
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # the dtypes HalfKV holds
+
+
+@struct.dataclass
+class Int8:
+    """A weight matrix w ~= q * scale, row by row: q [O, I] int8, scale [O, NB] (NB blocks of
+    I / NB inputs each: one per row from jaxkv.quantize, 32-input blocks from GGUF's Q8_0)."""
+
+    q: jax.Array  # [O, I] int8
+    scale: jax.Array  # [O, NB], float32 (or the dtype the model computes in)
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def dtype(self):
+        """The float dtype this matrix stands for."""
+        return self.scale.dtype
+
+    def __getitem__(self, rows):
+        """Rows dequantized (an embedding lookup): [..., I]."""
+        return dequantize_rows(self.q[rows], self.scale[rows])
+
+
+def dequantize_rows(q_RI, scale_RB):
+    """q [..., I] int8 times its scales [..., NB] -> [..., I] in the scales' dtype."""
+    *rows, I = q_RI.shape
+    NB = scale_RB.shape[-1]
+    blocks = q_RI.reshape(*rows, NB, I // NB).astype(scale_RB.dtype) * scale_RB[..., None]
+    return blocks.reshape(*rows, I)
+
+
+@struct.dataclass
+class Int8KV:
+    """One cache layer's keys or values, x ~= q * scale: one scale per token and kv head (max
+    |x| over the head dim / 127, rounded to nearest).
+
+    The scales are float32 whatever the params' dtype: attention computes in float32, so q *
+    scale is exactly what is read, and the round trip error is at most scale / 2. At H = 64 a
+    token and head costs 68 bytes: 0.27x float32, 0.53x bfloat16.
+    """
+
+    q: jax.Array  # [B, K, S, H] int8
+    scale: jax.Array  # [B, K, S] float32
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+
+@struct.dataclass
+class HalfKV:
+    """One cache layer's keys or values in a 16-bit float dtype (bfloat16 or float16), held as
+    their bits (uint16): a backend whose stores into 16-bit float arrays rewrite the whole layer
+    stores uint16 in place (see jaxkv.ops.cpu). Readers see the numbers: shape, dtype and
+    astype act as those of a dtype array."""
+
+    bits: jax.Array  # [B, K, S, H] uint16
+    dtype: jnp.dtype = struct.field(pytree_node=False)
+
+    @property
+    def shape(self):
+        return self.bits.shape
+
+    def astype(self, dtype):
+        return jax.lax.bitcast_convert_type(self.bits, self.dtype).astype(dtype)
+
+
+def half_kv(x_XH, dtype) -> HalfKV:
+    """HalfKV of keys or values rounded to dtype (bfloat16 or float16)."""
+    return HalfKV(jax.lax.bitcast_convert_type(x_XH.astype(dtype), jnp.uint16), jnp.dtype(dtype))
+
+
+def quantize_kv(x_XH) -> Int8KV:
+    """Int8KV of keys or values [..., H]: one scale per vector of H (per token and head)."""
+    x_XH = x_XH.astype(jnp.float32)
+    scale_X = jnp.max(jnp.abs(x_XH), axis=-1) / 127
+    safe_X1 = jnp.where(scale_X > 0, scale_X, 1.0)[..., None]
+    q_XH = jnp.clip(jnp.round(x_XH / safe_X1), -127, 127).astype(jnp.int8)
+    return Int8KV(q_XH, scale_X)
+
+
+def dequantize_kv(x: Int8KV):
+    """[..., H] float32: q * scale."""
+    return x.q.astype(jnp.float32) * x.scale[..., None]

@@ -1,0 +1,226 @@
+"""The CPU kernels (dense.cc: products y = x @ w.T of a few rows of x, streaming w once over
+every core; attend.cc: attention of a call's queries over a cache and their own keys),
+registered with XLA's FFI.
+
+They are compiled with the machine's C++ compiler for the CPU at hand (-march=native;
+$JAXKV_CPU_MARCH names another) the first time a process needs them, and cached by the hash of
+their sources, flags, jaxlib's version and the CPU's features: $JAXKV_CACHE (default
+~/.cache/jaxkv)/kernels. Used only when JAX computes on the CPU and JAXKV_CPU_KERNELS is not 0;
+without a compiler the products stay XLA's, with one warning saying why. Differentiable: their
+derivatives are XLA's.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.ops.arrays import HalfKV, Int8KV, dequantize_rows
+
+# Up to this many rows of x go to the product kernels, by weight format (dense.cc's kMaxRowsT
+# is float32's); more rows (a prefill) go to XLA's GEMM.
+ROWS = {"float32": 96, "bfloat16": 64, "int8": 64}
+# From this many rows of x on, float32 weights go to the outer-product form (dense.cc, TileT)
+# instead of the dot form.
+OUTER_ROWS = 16
+# Models with up to this many query heads per kv head go to the attention kernel, for any
+# number of tokens: it takes a call's queries in tiles of at most this many (a tile's tokens x
+# the query heads sharing a kv head).
+ATTEND_ROWS = 64
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("dense.cc", "attend.cc"))
+HEADER = Path(__file__).with_name("common.h")
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-w")
+
+
+def _march() -> str:
+    """The instruction set the kernels are compiled for: $JAXKV_CPU_MARCH, default native (the
+    CPU at hand). tests/test_kernels.py sets x86-64-v3 (AVX2) and x86-64 to check the kernels'
+    narrower paths on a CPU that has AVX-512."""
+    return f"-march={os.environ.get('JAXKV_CPU_MARCH', 'native')}"
+
+
+def enabled() -> bool:
+    """Whether products may use the kernels: JAX computes on the CPU (a GPU or TPU process
+    neither builds them nor traces their branch) and JAXKV_CPU_KERNELS is not 0."""
+    return (jax.default_backend() == "cpu" and os.environ.get("JAXKV_CPU_KERNELS", "1") != "0"
+            and registered())
+
+
+@functools.cache
+def registered() -> bool:
+    """Compile (or find compiled) and register the kernels once per process; False, with a
+    warning, when they cannot be built here."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build()))
+    except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+        warnings.warn(f"jaxkv: CPU product kernels unavailable, using XLA's ({e})", stacklevel=2)
+        return False
+    for name, symbol in (("jaxkv_dense", "JaxkvDense"), ("jaxkv_dense_t", "JaxkvDenseT"),
+                         ("jaxkv_dense_int8", "JaxkvDenseInt8"), ("jaxkv_attend", "JaxkvAttend"),
+                         ("jaxkv_attend_int8", "JaxkvAttendInt8")):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
+    return True
+
+
+def _cpu_features() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+        return "\n".join(wanted[:2])
+    except OSError:
+        return platform.processor()
+
+
+def _build() -> Path:
+    """The compiled library for this source, compiler flags, jaxlib and CPU."""
+    wanted = os.environ.get("CXX") or "g++"
+    compiler = shutil.which(wanted) or (wanted == "g++" and shutil.which("c++"))
+    if not compiler:
+        raise RuntimeError(f"no C++ compiler: {wanted!r} not found (set CXX, or install g++)")
+    include = jax.ffi.include_dir()
+    texts = [path.read_text() for path in (*SOURCES, HEADER)]
+    flags = (*FLAGS, _march())
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags), jax.lib.__version__, compiler,
+                                    _cpu_features()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("JAXKV_CACHE", Path.home() / ".cache" / "jaxkv")) / "kernels"
+    target = cache / f"kernels-{key}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then moved in whole
+            objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+            logs = [obj.with_suffix(".log") for obj in objects]
+            compiles = [_start([compiler, *flags, f"-I{include}", "-c", str(source), "-o",
+                                str(obj)], log) for source, obj, log in zip(SOURCES, objects, logs)]
+            for job, log in zip(compiles, logs):
+                _check(compiler, flags, job.wait(), log.read_text())
+            built = Path(tmp) / target.name
+            run = subprocess.run([compiler, "-shared", *map(str, objects), "-o", str(built)],
+                                 capture_output=True, text=True)
+            _check(compiler, flags, run.returncode, run.stderr)
+            os.replace(built, target)
+    return target
+
+
+def _start(command: list, log: Path) -> subprocess.Popen:
+    """The compiler started on one source, its messages to `log` (the sources compile side by
+    side)."""
+    with log.open("w") as messages:
+        return subprocess.Popen(command, stderr=messages)
+
+
+def _check(compiler: str, flags: tuple, returncode: int, stderr: str):
+    if returncode:
+        raise RuntimeError(f"{compiler} {' '.join(flags)} failed on the kernels: "
+                           f"{stderr[-2000:]}")
+
+
+def fits(rows: int, dtype) -> bool:
+    """Whether a product over this many rows of x with weights of this dtype (int8 for
+    ops.arrays.Int8) should go to the kernels."""
+    return rows <= ROWS.get(jnp.dtype(dtype).name, 0) and enabled()
+
+
+def int8_fits(q_OI, scale_OB) -> bool:
+    """Whether product_int8 takes this layout: one scale per row, or blocks of 2^k >= 16 inputs."""
+    K = q_OI.shape[1] // scale_OB.shape[1]
+    return scale_OB.shape[1] == 1 or (K >= 16 and K & (K - 1) == 0)
+
+
+@jax.custom_jvp
+def product(x_RI, w_OI):
+    """x @ w.T in float32, w float32 or bfloat16 [O, I]: the kernel on the CPU, XLA elsewhere."""
+    return jax.lax.platform_dependent(
+        x_RI, w_OI, cpu=_ffi("jaxkv_dense", outer="jaxkv_dense_t"),
+        default=lambda x, w: _xla(x, w))
+
+
+@jax.custom_jvp
+def product_int8(x_RI, q_OI, scale_OB):
+    """x @ (q * scale).T in float32: q int8 [O, I], scale [O, NB] per block of I / NB inputs."""
+    return jax.lax.platform_dependent(
+        x_RI, q_OI, scale_OB, cpu=_ffi("jaxkv_dense_int8"),
+        default=lambda x, q, s: _xla(x, _dequantize(q, s)))
+
+
+def _ffi(target, outer=None):
+    """The kernel call; outer (float32 weights only): the target taking x transposed, used from
+    OUTER_ROWS rows on."""
+    def call(x_RI, *w):
+        if not registered():
+            raise RuntimeError("jaxkv: the CPU product kernels could not be built (see the "
+                               "warning)")
+        R = x_RI.shape[0]
+        y = jax.ShapeDtypeStruct((R, w[0].shape[0]), jnp.float32)
+        if not (x_RI.dtype == w[0].dtype == jnp.bfloat16):  # bfloat16 pairs go as they are
+            x_RI = x_RI.astype(jnp.float32)
+        form = outer if outer and w[0].dtype == jnp.float32 and R >= OUTER_ROWS else target
+        return jax.ffi.ffi_call(form, y, vmap_method="sequential")(x_RI, *w)
+    return call
+
+
+def _xla(x_RI, w_OI):
+    return jnp.einsum("RI,OI->RO", x_RI, w_OI, preferred_element_type=jnp.float32)
+
+
+def _dequantize(q_OI, scale_OB):
+    return dequantize_rows(q_OI, scale_OB.astype(jnp.float32))
+
+
+@product.defjvp
+def _product_jvp(primals, tangents):
+    (x_RI, w_OI), (dx_RI, dw_OI) = primals, tangents
+    return product(x_RI, w_OI), _xla(dx_RI, w_OI) + _xla(x_RI, dw_OI)
+
+
+@product_int8.defjvp
+def _product_int8_jvp(primals, tangents):  # int8 weights are constants: only x moves
+    (x_RI, q_OI, scale_OB), (dx_RI, _, _) = primals, tangents
+    return product_int8(x_RI, q_OI, scale_OB), _xla(dx_RI, _dequantize(q_OI, scale_OB))
+
+
+def attend_fits(q_BTNH, k_BKSH) -> bool:
+    """Whether attend takes these queries and cache keys (float32, bfloat16 as an array or
+    HalfKV, or Int8KV): any number of tokens, at most ATTEND_ROWS query heads per kv head."""
+    G = q_BTNH.shape[2] // k_BKSH.shape[1]
+    return (getattr(k_BKSH, "dtype", None) in (jnp.float32, jnp.bfloat16, jnp.int8)
+            and G <= ATTEND_ROWS and enabled())
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def attend(xla, scale: float, softcap, q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH, v_BKUH,
+           mask_BTU, kv_len):
+    """Softmax attention of q over the cache's keys (those below kv_len that mask_BTS allows) and
+    the call's own keys (mask_BTU) together: (output [B, T, N, H], log-sum-exp [B, T, N]), both
+    float32. Int8KV keys and values (cache and own alike): their int8 numbers and scales. The
+    kernel on the CPU; xla(q, k, v, mask, k_own, v_own, own_mask, kv_len), the same attention in
+    XLA, on other platforms and for derivatives."""
+    def kernel(q_BTNH, *rest):
+        B, T, N, H = q_BTNH.shape
+        result = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),
+                  jax.ShapeDtypeStruct((B, T, N), jnp.float32))
+        *keys, kv_len = rest
+        int8 = isinstance(keys[0], Int8KV)
+        keys = [x.bits if isinstance(x, HalfKV) else x for x in keys]  # bfloat16's bits as they are
+        return jax.ffi.ffi_call("jaxkv_attend_int8" if int8 else "jaxkv_attend", result,
+                                vmap_method="sequential")(
+            q_BTNH.astype(jnp.float32), *jax.tree.leaves(keys), jnp.asarray(kv_len, jnp.int32),
+            scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
+    return jax.lax.platform_dependent(q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH, v_BKUH, mask_BTU,
+                                      kv_len, cpu=kernel, default=xla)
+
+
+@attend.defjvp
+def _attend_jvp(xla, scale, softcap, primals, tangents):
+    return jax.jvp(xla, primals, tangents)

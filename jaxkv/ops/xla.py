@@ -1,0 +1,212 @@
+"""The portable backend: XLA's own operations, on any platform. Every other backend is tested
+against it; JAXKV_OPS=xla forces it."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.ops.arrays import Int8, Int8KV, dequantize_rows, quantize_kv
+
+BLOCK = 256  # key slots per block when attention is bounded by the filled length
+PREFILL_CHUNK = 256  # prompt tokens per prefill pass
+HALF_KV_BITS = False  # 16-bit float caches are arrays of their dtype
+
+
+def matmul(x_BTI, w, b_O=None, dtype=None, costly_x=False):
+    """x @ w.T (+ b) with w [O, I] (float, or Int8 read as int8), accumulated in float32; the
+    result in dtype (default x's). costly_x: a hint for backends that fuse the work making x into
+    the product (see jaxkv.ops.matmul); unused here."""
+    B, T, I = x_BTI.shape
+    if isinstance(w, Int8):
+        y_RO = int8_product(x_BTI.reshape(B * T, I).astype(w.dtype), w)
+        y_BTO = y_RO.reshape(B, T, -1)
+    else:
+        y_BTO = jnp.einsum("BTI,OI->BTO", x_BTI, w, preferred_element_type=jnp.float32)
+    y_BTO = y_BTO if b_O is None else y_BTO + b_O
+    return y_BTO.astype(dtype or x_BTI.dtype)
+
+
+def int8_product(x_RI, w: Int8):
+    """x @ w.T, accumulated in float32, with w's int8 numbers converted to x's dtype as the
+    product's operand (a GPU's product kernels convert them as they read, so no float copy of w
+    is made). One scale per row multiplies the outputs. Per-block scales: for fewer rows than a
+    block has inputs, one product per block ([NB, R, O] partial sums, fewer values than w),
+    each block's scale applied as they are summed; else w is dequantized first."""
+    R, I = x_RI.shape
+    O, NB = w.scale.shape
+    if NB == 1:
+        y_RO = jnp.einsum("RI,OI->RO", x_RI, w.q.astype(x_RI.dtype),
+                          preferred_element_type=jnp.float32)
+        return y_RO * w.scale[:, 0].astype(jnp.float32)
+    if R < I // NB:
+        y_BRO = jnp.einsum("RBK,OBK->BRO", x_RI.reshape(R, NB, -1),
+                           w.q.reshape(O, NB, -1).astype(x_RI.dtype),
+                           preferred_element_type=jnp.float32)
+        return jnp.einsum("BRO,OB->RO", y_BRO, w.scale.astype(jnp.float32))
+    return jnp.einsum("RI,OI->RO", x_RI, dequantize_rows(w.q, w.scale),
+                      preferred_element_type=jnp.float32)
+
+
+def placed(tree):
+    """Weights where this backend reads them best: as they are."""
+    return tree
+
+
+def materialized(x):
+    """x as computed: XLA's fusion decides where it is recomputed."""
+    return x
+
+
+def prefill_chunk(w_qkv, rows: int, tokens: int) -> int:
+    """Prompt tokens per prefill pass."""
+    return PREFILL_CHUNK
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None,
+              own=None, softcap=None):
+    """Grouped-query attention: output [B, T, N, H] and its log-sum-exp [B, T, N], float32.
+    (The contract every backend keeps: see jaxkv.ops.attention.)
+
+    With kv_len (traced), only the first ceil(kv_len / BLOCK) blocks of cache slots are visited
+    in an online softmax; a few queries (T * S <= BLOCK^2) read every slot in one pass once
+    kv_len passes a third of the slots, where that is cheaper than slicing out blocks."""
+    own = own_as_cache(k_BKSH, own)
+    keys = [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS)] + ([] if own is None else [own])
+    S = k_BKSH.shape[2]
+    if kv_len is None or bias_BNTS is not None or S <= BLOCK:
+        return _attend_dense(q_BTNH, keys, scale, softcap)
+    blocks = functools.partial(_attend_blocks, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len,
+                               own, softcap)
+    if q_BTNH.shape[1] * S > BLOCK * BLOCK:  # many queries (a prefill chunk): scores [T, BLOCK]
+        return blocks()
+    dense = functools.partial(_attend_dense, q_BTNH, keys, scale, softcap)
+    return jax.lax.cond(3 * kv_len > S, dense, blocks)
+
+
+def own_as_cache(k_BKSH, own):
+    """The own keys and values as the cache will hold them: quantized where it is an Int8KV, so
+    a call reads its tokens as later calls will."""
+    if own is None or not isinstance(k_BKSH, Int8KV) or isinstance(own[0], Int8KV):
+        return own
+    return (quantize_kv(own[0]), quantize_kv(own[1]), *own[2:])
+
+
+def _softcapped(scores, softcap):
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def _attend_dense(q_BTNH, keys, scale, softcap=None):
+    """One softmax over the union of key sets [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS), ...]."""
+    B, T, N, H = q_BTNH.shape
+    K = keys[0][0].shape[1]
+    # Scores and weighted sums in float32 (XLA:CPU has no bfloat16 x bfloat16 -> float32 dot).
+    q_BTKGH = q_BTNH.astype(jnp.float32).reshape(B, T, K, N // K, H)
+    scores = []
+    for k_BKSH, _, mask_BTS, bias_BNTS in keys:
+        scores_BKGTS = _softcapped(_key_scores(q_BTKGH, k_BKSH, _scores) * scale, softcap)
+        if bias_BNTS is not None:
+            b, _, t, s = bias_BNTS.shape
+            scores_BKGTS = scores_BKGTS + bias_BNTS.reshape(b, K, N // K, t, s)
+        scores.append(jnp.where(mask_BTS[:, None, None], scores_BKGTS, -jnp.inf))
+    scores_BKGTS = jnp.concatenate(scores, -1)
+    max_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)
+    max_BKGT1 = jnp.where(jnp.isfinite(max_BKGT1), max_BKGT1, 0.0)
+    weights_BKGTS = jnp.exp(scores_BKGTS - max_BKGT1)
+    total_BKGT = weights_BKGTS.sum(-1)
+    out_BTKGH, start = 0.0, 0
+    for _, v_BKSH, _, _ in keys:
+        S = v_BKSH.shape[2]
+        out_BTKGH = out_BTKGH + _value_sum(weights_BKGTS[..., start: start + S], v_BKSH,
+                                           _weighted)
+        start += S
+    total_BTKG = jnp.moveaxis(total_BKGT, 3, 1)
+    out_BTKGH = out_BTKGH / jnp.maximum(total_BTKG, jnp.finfo(jnp.float32).tiny)[..., None]
+    lse_BTKG = jnp.moveaxis(max_BKGT1[..., 0], 3, 1) + jnp.log(total_BTKG)
+    return out_BTKGH.reshape(B, T, N, H), lse_BTKG.reshape(B, T, N)
+
+
+def _key_scores(q_X, k_BKSH, product):
+    """product(q_X, keys in float32) -> scores [B, K, G, T, S]; an Int8KV's scales [B, K, S]
+    multiply the scores of its int8 keys (converted whole for the product: written as a product
+    summed over H, the conversion fused but the product ran slower on XLA:CPU)."""
+    if isinstance(k_BKSH, Int8KV):
+        return product(q_X, k_BKSH.q.astype(jnp.float32)) * k_BKSH.scale[:, :, None, None, :]
+    return product(q_X, k_BKSH.astype(jnp.float32))
+
+
+def _value_sum(w_BKGTS, v_BKSH, product):
+    """product(weights, values in float32); an Int8KV's scales [B, K, S] multiply the weights
+    of its int8 values."""
+    if isinstance(v_BKSH, Int8KV):
+        return product(w_BKGTS * v_BKSH.scale[:, :, None, None, :], v_BKSH.q.astype(jnp.float32))
+    return product(w_BKGTS, v_BKSH.astype(jnp.float32))
+
+
+def _scores(q_BTKGH, k_BKSH):
+    """q . k for every query and key: [B, K, G, T, S]."""
+    if k_BKSH.shape[2] == 1:  # one key (a decode step's own): elementwise, no product call
+        k_B1K1H = k_BKSH[:, :, 0][:, None, :, None, :]
+        return jnp.moveaxis(jnp.sum(q_BTKGH * k_B1K1H, -1), 1, 3)[..., None]
+    return jnp.einsum("BTKGH,BKSH->BKGTS", q_BTKGH, k_BKSH)
+
+
+def _weighted(w_BKGTS, v_BKSH):
+    """Sum of values by weight: [B, T, K, G, H]."""
+    if w_BKGTS.shape[3] == 1 and v_BKSH.shape[2] > 1:
+        # One query per row (a decode step): the size-1 T axis is dropped first, which XLA:CPU
+        # lowers to one product per row and head rather than B * K tiny ones.
+        return jnp.einsum("BKGS,BKSH->BKGH", w_BKGTS[:, :, :, 0], v_BKSH)[:, None]
+    if v_BKSH.shape[2] == 1:
+        return jnp.moveaxis(w_BKGTS[..., 0], 3, 1)[..., None] * v_BKSH[:, :, 0][:, None, :, None]
+    return jnp.moveaxis(jnp.einsum("BKGTS,BKSH->BKGTH", w_BKGTS, v_BKSH), 3, 1)
+
+
+def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own=None, softcap=None):
+    """Online softmax over BLOCK-slot blocks [0, ceil(kv_len / BLOCK)) (and the own keys, as
+    the starting state): shapes stay static, work follows the filled length, not the capacity,
+    and no score tensor is wider than [T, max(BLOCK, own keys)]."""
+    B, T, N, H = q_BTNH.shape
+    K, S = k_BKSH.shape[1:3]
+    # Heads before positions: each block is one batched product per kv head with G * T rows.
+    q_BKGTH = jnp.transpose((q_BTNH.astype(jnp.float32) * scale).reshape(B, T, K, N // K, H),
+                            (0, 2, 3, 1, 4))
+    state = (jnp.full((B, K, N // K, T), -jnp.inf), jnp.zeros((B, K, N // K, T)),
+             jnp.zeros((B, K, N // K, T, H)))
+    if own is not None:
+        state = _online_softmax(q_BKGTH, own[0], own[1], own[2], softcap, state)
+
+    def block(i, state):
+        # The last block may be shifted left to fit; its slots seen before are masked out.
+        start = jnp.minimum(i * BLOCK, S - BLOCK)
+        # (tree.map: an Int8KV's int8 numbers and scales alike)
+        k_blk, v_blk = jax.tree.map(
+            lambda x: jax.lax.dynamic_slice_in_dim(x, start, BLOCK, axis=2), (k_BKSH, v_BKSH))
+        mask_blk = jax.lax.dynamic_slice_in_dim(mask_BTS, start, BLOCK, axis=2)
+        mask_blk = mask_blk & (start + jnp.arange(BLOCK) >= i * BLOCK)
+        return _online_softmax(q_BKGTH, k_blk, v_blk, mask_blk, softcap, state)
+
+    n_blocks = (jnp.minimum(kv_len, S) + BLOCK - 1) // BLOCK
+    max_BKGT, total_BKGT, acc_BKGTH = jax.lax.fori_loop(0, n_blocks, block, state)
+    out_BKGTH = acc_BKGTH / jnp.maximum(total_BKGT, jnp.finfo(jnp.float32).tiny)[..., None]
+    lse_BKGT = max_BKGT + jnp.log(total_BKGT)
+    return (jnp.transpose(out_BKGTH, (0, 3, 1, 2, 4)).reshape(B, T, N, H),
+            jnp.transpose(lse_BKGT, (0, 3, 1, 2)).reshape(B, T, N))
+
+
+def _online_softmax(q_BKGTH, k_BKSH, v_BKSH, mask_BTS, softcap, state):
+    """The softmax state (running max [B, K, G, T], sum of weights [B, K, G, T], weighted sum
+    of values [B, K, G, T, H], both relative to the max) after one more key set; q is scaled."""
+    max_BKGT, total_BKGT, acc_BKGTH = state
+    scores_BKGTS = _softcapped(_key_scores(q_BKGTH, k_BKSH, functools.partial(
+        jnp.einsum, "BKGTH,BKSH->BKGTS")), softcap)
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, -jnp.inf)
+    new_max_BKGT = jnp.maximum(max_BKGT, jnp.max(scores_BKGTS, -1))
+    new_max_BKGT = jnp.where(jnp.isfinite(new_max_BKGT), new_max_BKGT, 0.0)  # no key seen yet
+    weights_BKGTS = jnp.exp(scores_BKGTS - new_max_BKGT[..., None])
+    old_BKGT = jnp.exp(max_BKGT - new_max_BKGT)
+    acc_BKGTH = acc_BKGTH * old_BKGT[..., None] + _value_sum(
+        weights_BKGTS, v_BKSH, functools.partial(jnp.einsum, "BKGTS,BKSH->BKGTH"))
+    return new_max_BKGT, total_BKGT * old_BKGT + weights_BKGTS.sum(-1), acc_BKGTH

@@ -1,0 +1,1 @@
+"""Training: losses, AdamW, a resumable TrainState (jaxkv.training.train)."""
