@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
+from jaxkv.core.tracecount import count_trace
 
 MODEL = dict(vocab_size=2048, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768,
              max_seq_len=4096)
@@ -36,7 +37,7 @@ def cached(params, n):
 
 @jax.jit
 def next_token(params, tokens_1T, length):
-    jaxkv.tracecount.count_trace("uncached next_token")
+    count_trace("uncached next_token")
     logits_1TV = jaxkv.forward(params, tokens_1T)
     return jnp.argmax(logits_1TV[0, length - 1]).astype(jnp.int32)
 

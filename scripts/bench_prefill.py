@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 import jaxkv
+from jaxkv import ops
 from jaxkv.core import checks, decoder
 
 from bench_checks import cpu_name  # scripts/
@@ -239,7 +240,7 @@ def main():
     rows = [bench_length(n, args.engines, models, [None, *args.chunks], args.rounds,
                          not args.no_memory) for n in args.lengths]
     cpu = cpu_name()
-    chunk = {n: decoder.default_chunk(models["jaxkv"], 1, checks.bucket_len(n))
+    chunk = {n: ops.prefill_chunk(models["jaxkv"].blocks[0].wqkv, 1, checks.bucket_len(n))
              for n in args.lengths}  # tokens a pass of jaxkv.prefill, by length
     title = (f"SmolLM2-135M float32, batch 1, jaxkv chunks {sorted(set(chunk.values()))}; "
              f"{cpu}, {os.cpu_count()} cores")

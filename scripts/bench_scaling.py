@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxkv
+from jaxkv.core.tracecount import count_trace
 from jaxkv.core.attention import causal_mask
 from jaxkv.core.decoder import extend, logits
 
@@ -49,7 +50,7 @@ def dense_step(params, cache, token_B, pos_B):
 
 @functools.partial(jax.jit, static_argnames=("n_steps", "bounded"), donate_argnames="cache")
 def run_steps(params, cache, pos_B, *, n_steps, bounded):
-    jaxkv.tracecount.count_trace(f"run_steps bounded={bounded}")
+    count_trace(f"run_steps bounded={bounded}")
 
     def body(carry, i):
         cache, token_B = carry

@@ -1,10 +1,10 @@
 """What n-gram lookup would get accepted, replayed over generate's greedy answers (no tree passes).
 
 Greedy speculative decoding commits exactly generate's tokens, so the passes a drafting rule
-takes follow from the answers alone: this replays speculative.lookup_chains, drafting every
+takes follow from the answers alone: this replays drafts.lookup_chains, drafting every
 round, over SmolLM2's answers to scripts/bench_speculative.py's prompts, and counts the drafted
 tokens accepted per chain by the length of the match that proposed it. This is what chose
-speculative.MIN_MATCH (one-token matches on free-form text: 0.23 tokens per chain).
+drafts.MIN_MATCH (one-token matches on free-form text: 0.23 tokens per chain).
 
   python scripts/replay_lookup.py                  # n_draft 8, both prompt kinds, 4 of each
   python scripts/replay_lookup.py --prompts 1 --new-tokens 16        # quick
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from jaxkv.decoding import speculative
+from jaxkv.decoding import drafts
 
 from bench_checks import cpu_name  # scripts/
 from bench_speculative import prompts_of  # scripts/
@@ -27,7 +27,7 @@ from bench_speculative import prompts_of  # scripts/
 
 def match_length(hist, n):
     """The longest g <= NGRAM whose last g tokens of hist[:n] also end earlier (0: none)."""
-    for g in range(speculative.NGRAM, 0, -1):
+    for g in range(drafts.NGRAM, 0, -1):
         tail = hist[n - g:n]
         if n - 1 >= g and any(np.array_equal(hist[i - g + 1:i + 1], tail)
                               for i in range(g - 1, n - 1)):
@@ -42,7 +42,7 @@ def replay(prompt, answer, D):
     n, rounds = len(prompt) + 1, []  # the history holds the prompt and the pending token
     while n < len(hist):
         g = match_length(hist, n)
-        chain, usable = speculative.lookup_chains(jnp.asarray(hist[None]), jnp.array([n]), 1, D)
+        chain, usable = drafts.lookup_chains(jnp.asarray(hist[None]), jnp.array([n]), 1, D)
         truth = hist[n:n + D]
         chain_D, usable_D = (np.asarray(x[0, 0, :len(truth)]) for x in (chain, usable))
         same = (chain_D == truth) & usable_D
@@ -59,7 +59,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--out", default="results/replay_lookup.json")
     args = ap.parse_args()
-    speculative.MIN_MATCH = 1  # every match proposes; the table splits them by length
+    drafts.MIN_MATCH = 1  # every match proposes; the table splits them by length
     path = jaxkv.default_model()
     params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)
     template = jaxkv.chat_template(path)

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 import jaxkv
+from jaxkv.formats import load as load_module
 from jaxkv.front import cli
 from tests.conftest import char_tokenizer
 
@@ -48,9 +49,10 @@ def run_cli(*argv):
 def test_generate_streams_and_reports_speed(tiny_model_dir, capsys):
     cli.main(["generate", "Hello", "--model", str(tiny_model_dir), "--max-new-tokens", "6",
               "--temperature", "0.8", "--top-k", "20", "--seed", "3"])
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) >= 2 and out[-2]  # the streamed text, then the report
-    assert out[-1].startswith("[6 tokens, ") and "tokens/s, time to first token" in out[-1]
+    captured = capsys.readouterr()
+    assert captured.out.endswith("\n") and "tokens/s" not in captured.out  # the answer alone
+    report = captured.err.strip().splitlines()[-1]  # statistics and progress on stderr
+    assert report.startswith("[6 tokens, ") and "tokens/s, time to first token" in report
 
 
 def test_default_models_are_found():
@@ -124,7 +126,7 @@ def test_truncated_tokenizer_is_one_line(tmp_path, tiny_model_dir, llama, monkey
     (path / "tokenizer.json").write_text(text[: len(text) // 2])
     message = refused(["generate", "Hi", "--model", str(path)])
     assert "tokenizer" in message and str(path) in message
-    monkeypatch.setattr(jaxkv, "load", lambda path: llama)  # as if the weights were readable
+    monkeypatch.setattr(load_module, "load", lambda path: llama)  # as if the weights were readable
     message = refused(["generate", "Hi", "--model", str(path)])
     assert "cannot load the tokenizer" in message and str(path) in message
 
@@ -174,7 +176,8 @@ def test_main_job_on_the_default_model():
     """What README's first command runs: the default real model answers."""
     result = run_cli("generate", "What is the capital of France?", "--max-new-tokens", "16")
     assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout and "tokens/s, time to first token" in result.stdout
+    assert "Paris" in result.stdout and "tokens/s, time to first token" in result.stderr
+    assert "tokens/s" not in result.stdout and "compiling" in result.stderr
 
 
 def test_help_shows_defaults_and_every_sampling_flag():
@@ -184,6 +187,8 @@ def test_help_shows_defaults_and_every_sampling_flag():
                  "--input", "--output", "--compile-cache"):
         assert flag in help_text
     assert "(default: 256)" in help_text and "(default: float32)" in help_text
+    assert "(default: None)" not in help_text  # --model names its default in its own words
+    assert help_text.count("default: SmolLM2-135M-Instruct") == 1
 
 
 def test_jsonl_job_killed_and_resumed_answers_each_once(tiny_model_dir, tmp_path):
@@ -200,7 +205,8 @@ def test_jsonl_job_killed_and_resumed_answers_each_once(tiny_model_dir, tmp_path
             "--input", str(requests), "--max-new-tokens", "60", "--batch-size", "2",
             "--temperature", "0.9", "--compile-cache", str(tmp_path / "xla"), "--output"]
     whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
-    assert subprocess.run(argv + [str(whole)], capture_output=True, timeout=600).returncode == 0
+    first = subprocess.run(argv + [str(whole)], capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0 and "compiling" in first.stderr.splitlines()[1]
     job = subprocess.Popen(argv + [str(cut)], stderr=subprocess.DEVNULL)
     while job.poll() is None and (not cut.exists() or cut.read_text().count("\n") < 2):
         time.sleep(0.01)
@@ -225,6 +231,7 @@ def test_chat_keeps_the_cache_between_turns(tmp_path, llama):
                              "--max-new-tokens", "5", "--compile-cache", "off"],
                             input="Hi\nAnd then?\n", capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
+    assert "[compiling" in result.stderr.split("[prefilled")[0]  # the first turn's wait, said
     counts = [line for line in result.stderr.splitlines() if line.startswith("[prefilled")]
     (new1, total1), (new2, total2) = [map(int, re.findall(r"\d+", line)[:2]) for line in counts]
     assert new1 == total1 and total2 - new2 >= total1  # the first turn's prompt was kept

@@ -215,12 +215,13 @@ def stream_answer(args, params, tokenizer, ids, began=None, load_s=0.0) -> list[
         answer += new
         sys.stdout.write(text.add(new))
         sys.stdout.flush()
-    sys.stdout.write(text.finish())
+    sys.stdout.write(text.finish() + "\n")
+    sys.stdout.flush()
     done_at, n = time.perf_counter(), len(answer)
     rate = (n - 1) / (done_at - first_at) if n > 1 else float("nan")
     wall = "" if began is None else f", {first_at - began:.1f} s after the command started"
-    print(f"\n[{n} tokens, {rate:.1f} tokens/s, time to first token {first_at - t1:.1f} s "
-          f"(prompt {len(ids)} tokens, compile included{wall}); load {load_s:.1f} s]")
+    status(f"{n} tokens, {rate:.1f} tokens/s, time to first token {first_at - t1:.1f} s "
+           f"(prompt {len(ids)} tokens, compile included{wall}); load {load_s:.1f} s")
     return answer
 
 
@@ -231,7 +232,8 @@ def run_file(args, path, params, tokenizer) -> None:
     def encode(text):
         return prompt_ids(path, params.config, tokenizer, text, not args.no_chat)
 
-    status(f"answering {args.input} into {args.output}, {args.batch_size} rows at a time")
+    status(f"answering {args.input} into {args.output}, {args.batch_size} rows at a time; "
+           "compiling (or reading the compile cache) before the first answers")
     n = jsonl.answer_file(params, tokenizer, encode, args.input, args.output, args.max_new_tokens,
                           stop_ids=list(params.config.end_ids), stop=args.stop,
                           seed=args.seed, batch_size=args.batch_size, progress=True,
@@ -254,6 +256,8 @@ def run_chat(args) -> None:
     status("type a message, then Enter; Ctrl-D or /exit ends the chat")
     while (line := read_turn()) is not None:
         began = time.perf_counter()
+        if not chat.prefilled:
+            status("compiling (or reading the compile cache) for the first turn")
         for piece in chat.say(line):
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -298,6 +302,14 @@ def default_compile_cache() -> str:
     return os.environ.get("JAXKV_COMPILE_CACHE", os.path.join(base, "jaxkv", "xla"))
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default once: the formatter's "(default: ...)" where the flag has a
+    value, its help's own words where its default is None (a default model, an option off)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def add_model_flags(cmd) -> None:
     """The flags of every command that generates text."""
     cmd.add_argument("--model", help="HF directory, .gguf file, jaxkv.save directory, or a "
@@ -328,7 +340,7 @@ def add_model_flags(cmd) -> None:
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description="KV-cached decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = _Help
     gen = sub.add_parser("generate", formatter_class=defaults,
                          help="stream a model's answer to PROMPT, or answer a JSONL data set")
     gen.add_argument("prompt", nargs="?")
