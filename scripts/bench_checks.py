@@ -4,7 +4,7 @@ Two ways a researcher decodes, each compiled twice (checks on, then off) and tim
 round after round, so a slow spell of a shared machine falls on both:
   generate     jaxkv.generate's one compiled program (prefill + while loop of decode_step),
                ms/token = (t(N new) - t(1 new)) / (N - 1)
-  step loop    the README's loop: jax.jit(decode_step, donate_argnames="cache") called from
+  step loop    docs/guide.md's loop: jax.jit(decode_step, donate_argnames="cache") called from
                Python for N steps, ms/step
 Greedy, prompt 32 tokens, N = 128, on SmolLM2-135M-Instruct (the real default model) and on a
 tiny random Llama (width 64, 3 layers), whose step takes a fraction of a millisecond, so that
@@ -82,7 +82,7 @@ def compiled_generate(params, prompts, n):
 
 
 def step_loop(params, prompts, n):
-    """The README's loop over n steps, compiled now (its first call is made here)."""
+    """docs/guide.md's loop over n steps, compiled now (its first call is made here)."""
     step = jax.jit(jaxkv.decode_step, donate_argnames="cache")
     tokens_BT = jnp.array(prompts)
     B, T = tokens_BT.shape
