@@ -24,6 +24,7 @@ from jaxkv.ops import xla
 from jaxkv.ops.arrays import half_kv, quantize_kv
 from jaxkv.ops.cpu import kernels, pages
 
+from bench_checks import results_dir  # scripts/
 from bench_kernels import against_xla, save  # scripts/
 
 # kv heads, query heads per kv head, head size, layers of the model whose shape it is
@@ -77,7 +78,7 @@ def main():
                     help="filled length of the cache (keys read)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=None, help="default: the model's")
-    ap.add_argument("--out", default="results/bench_attention")
+    ap.add_argument("--out", default=f"{results_dir()}/bench_attention")
     args = ap.parse_args()
     if not kernels.registered():
         raise SystemExit("the CPU kernels could not be built here (see the warning)")

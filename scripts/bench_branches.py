@@ -30,6 +30,8 @@ from jaxkv.decoding import multidecode as md
 from jaxkv.decoding.generate import generate_args, generate_loop
 from jaxkv.decoding.sampling import row_keys, sample, sampling_params
 
+from bench_checks import results_dir  # scripts/
+
 MODELS = {
     # Llama-shaped, ~32M parameters: big enough that weights dominate a step, small enough that
     # the whole grid (up to 64 x 1024 prefill tokens) runs on two CPU cores.
@@ -135,7 +137,7 @@ def main():
     ap.add_argument("--branches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--new-tokens", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--out", default="results/bench_branches")
+    ap.add_argument("--out", default=f"{results_dir()}/bench_branches")
     args = ap.parse_args()
     params = load_model(args.model)
     prompt = np.random.default_rng(0).integers(0, params.config.vocab_size,

@@ -4,7 +4,7 @@ Two ways a researcher decodes, each compiled twice (checks on, then off) and tim
 round after round, so a slow spell of a shared machine falls on both:
   generate     jaxkv.generate's one compiled program (prefill + while loop of decode_step),
                ms/token = (t(N new) - t(1 new)) / (N - 1)
-  step loop    the README's loop: jax.jit(decode_step, donate_argnames="cache") called from
+  step loop    docs/guide.md's loop: jax.jit(decode_step, donate_argnames="cache") called from
                Python for N steps, ms/step
 Greedy, prompt 32 tokens, N = 128, on SmolLM2-135M-Instruct (the real default model) and on a
 tiny random Llama (width 64, 3 layers), whose step takes a fraction of a millisecond, so that
@@ -31,20 +31,40 @@ from jaxkv.core import checks
 from jaxkv.decoding.generate import generate_args, generate_loop
 
 
+def _cpuinfo() -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, v in
+            (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+
+
 def cpu_name() -> str:
     """The CPU's model name, with its family and model numbers: a VM may name only the maker's
     line ("AMD EPYC"), and the family tells its generation (AMD 25: Zen 3/4, 26: Zen 5)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
-                        if ":" in line)
-    except OSError:
-        return platform.processor()
-    info = {k.strip(): v.strip() for k, v in info.items()}
+    info = _cpuinfo()
     name = info.get("model name", platform.processor())
     if "cpu family" in info:
         name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
     return name
+
+
+def results_dir(backend: str | None = None) -> str:
+    """The folder a script writes to unless --out says otherwise: one per machine or device,
+    results/cpu/<vendor>_f<family>_m<model> (amd_f26_m2, intel_f6_m207) for the CPU and
+    results/<platform>/<chip> (gpu/h100) for an accelerator; the default device's, or
+    `backend`'s if given. bench_cpu.sh, bench_gpu.sh and gpu_tests.sh ask here too."""
+    if (backend or jax.default_backend()) == "cpu":
+        info = _cpuinfo()
+        vendor = info.get("vendor_id", platform.machine())
+        vendor = vendor.replace("Authentic", "").replace("Genuine", "").lower()
+        return f"results/cpu/{vendor}_f{info.get('cpu family', '')}_m{info.get('model', '')}"
+    device = jax.devices(backend)[0]
+    words = [w for w in device.device_kind.split() if w.lower() not in ("nvidia", "tpu")]
+    return f"results/{device.platform}/{(words or ['unknown'])[0].split('-')[0].lower()}"
 
 
 MODELS = {
@@ -62,7 +82,7 @@ def compiled_generate(params, prompts, n):
 
 
 def step_loop(params, prompts, n):
-    """The README's loop over n steps, compiled now (its first call is made here)."""
+    """docs/guide.md's loop over n steps, compiled now (its first call is made here)."""
     step = jax.jit(jaxkv.decode_step, donate_argnames="cache")
     tokens_BT = jnp.array(prompts)
     B, T = tokens_BT.shape
@@ -126,7 +146,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default="results/bench_checks")
+    ap.add_argument("--out", default=f"{results_dir()}/bench_checks")
     args = ap.parse_args()
     rows = [bench_batch(name, MODELS[name](), b, args) for name in args.models
             for b in args.batches]

@@ -27,6 +27,8 @@ import numpy as np
 import jaxkv
 from jaxkv.core.tracecount import count_trace
 
+from bench_checks import results_dir  # scripts/
+
 MODEL = dict(vocab_size=2048, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768,
              max_seq_len=4096)
 
@@ -68,7 +70,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", default="results/bench_complexity")
+    ap.add_argument("--out", default=f"{results_dir()}/bench_complexity")
     args = ap.parse_args()
     params = jaxkv.init_params(jaxkv.Config.llama(**MODEL), jax.random.key(0))
     for n in args.lengths:  # warm-up: every program either method will run

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU-dependent measurements in one command, for a CPU the results do not cover yet: files
-# go to results/cpu/<vendor>_f<family>_m<model> (the CPU's model name is in every table), one
-# step after another, so that nothing else runs beside a timing.
+# go to results/cpu/<vendor>_f<family>_m<model> (scripts/bench_checks.py's results_dir; the
+# CPU's model name is in every table), or to $OUT, one step after another, so that nothing
+# else runs beside a timing.
 #   decode      SmolLM2 batch 1, float32 / bfloat16 / int8 against llama.cpp F32 / F16 / Q8_0
 #               and the read bandwidth (MBU), 11 interleaved rounds: the best of each and
 #               the median of same-round ratios (paired)
@@ -24,10 +25,8 @@ cd "$(dirname "$0")/.."
 default_python=python3
 [ -x .venv/bin/python ] && default_python=.venv/bin/python  # the README's set-up
 python="${DRY_RUN:+echo }${PYTHON:-$default_python}"
-slug=$(awk -F': ' '/^vendor_id/ {v=$2} /^cpu family/ {f=$2} /^model\t/ {m=$2}
-                   END {sub(/Authentic|Genuine/, "", v); print tolower(v) "_f" f "_m" m}' \
-       /proc/cpuinfo)
-out=${OUT:-results/cpu/$slug}
+out=${OUT:-$(cd scripts && "${PYTHON:-$default_python}" -c \
+             'from bench_checks import results_dir; print(results_dir("cpu"))')} || exit 1
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-) -> $out"
 steps=${STEPS:-decode prefill chunks speculative attention}
 for step in $steps; do

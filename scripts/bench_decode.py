@@ -37,18 +37,21 @@ float32 0.96x llama.cpp best against best, 1.13-1.16x in four of its five rounds
 of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M (real, GGUF; window layers read
 at most their window of cache), GPT-2-124M, Llama-1B and SmolLM2-135M shapes (random, saved
 locally with transformers and loaded by both). llama.cpp's MBU counts the GGUF file's tensor
-bytes. Writes JSON + PNG (the tables and the plot name the CPU); asserts nothing recompiles
-after warm-up.
+bytes. Writes JSON + PNG (the tables and the plot name the CPU) to results/cpu/<id>/ or
+results/gpu/<chip>/ (bench_checks.results_dir) unless --out says otherwise; asserts nothing
+recompiles after warm-up. Examples (an --out below is where that run's committed files are):
 
   python scripts/bench_decode.py                                  # CPU grid (~15 min, 2 cores)
   python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32   # quick
-  python scripts/bench_decode.py --models gemma3 --batches 1 8 --dtypes float32 --out results/bench_decode_gemma3
+  python scripts/bench_decode.py --models gemma3 --batches 1 8 --dtypes float32 \
+      --out results/cpu/intel_f6_m207/bench_decode_gemma3
   python scripts/bench_decode.py --models smollm2-shapes llama-1b --dtypes bfloat16 int8 \
-      --batches 1 16 --llamacpp --out results/gpu/bench_decode_h200           # on a GPU
+      --batches 1 16 --llamacpp --out results/gpu/h200/bench_decode_h200     # on a GPU
   python scripts/bench_decode.py --models smollm2 --batches 1 --repeats 5 \
-      --out results/bench_decode_llamacpp                     # jaxkv vs llama.cpp (~? min)
+      --out results/cpu/intel_f6_m207/bench_decode_llamacpp     # jaxkv vs llama.cpp
   python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32 int8 q8_0 \
-      --llamacpp F32 Q8_0 --no-hf --repeats 5 --out results/bench_decode_int8   # int8 vs Q8_0
+      --llamacpp F32 Q8_0 --no-hf --repeats 5 \
+      --out results/cpu/intel_f6_m207/bench_decode_int8         # int8 vs Q8_0
 """
 
 import argparse
@@ -68,7 +71,7 @@ from jaxkv.core.cache import slots
 from jaxkv.formats.gguf import gguf_reader
 from jaxkv.ops.cpu import kernels, pages
 
-from bench_checks import cpu_name  # scripts/
+from bench_checks import cpu_name, results_dir  # scripts/
 
 RANDOM_MODELS = {  # transformers config class, kwargs: random weights saved with save_pretrained
     "gpt2-124m": ("GPT2Config", {}),
@@ -463,7 +466,7 @@ def main():
     ap.add_argument("--llamacpp-threads", type=int, default=os.cpu_count(),
                     help="llama.cpp's threads (default: every core, as XLA uses)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "jaxkv_bench"))
-    ap.add_argument("--out", default="results/bench_decode")
+    ap.add_argument("--out", default=f"{results_dir()}/bench_decode")
     args = ap.parse_args()
     probe = bandwidth_probe()
     rows, cpp_rows = [], []

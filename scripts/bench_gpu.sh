@@ -4,13 +4,15 @@
 # compiled decode loop read int8 weights as int8 there?); scripts/bench_decode.py against
 # transformers on CUDA (bfloat16, int8 in float32 and in bfloat16; SmolLM2-135M's shapes and a
 # 1B Llama, random weights saved there); then the int8 and decoding exactness tests on the GPU.
-# Files go to $OUT (default results/gpu); HLO_S, BENCH_S and TESTS_S bound each step's seconds;
+# Files go to $OUT (default results/gpu/<chip>, e.g. results/gpu/h100: scripts/bench_checks.py's
+# results_dir); HLO_S, BENCH_S and TESTS_S bound each step's seconds;
 # arguments are passed on to bench_decode.py, e.g. to try it on the CPU:
 #   OUT=/tmp/gpu bash scripts/bench_gpu.sh --models smollm2-shapes --batches 1 --new-tokens 8
 set -uo pipefail
-out=${OUT:-results/gpu}
-mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
+out=${OUT:-$(cd scripts && python3 -c \
+             'from bench_checks import results_dir; print(results_dir())')} || exit 1
+mkdir -p "$out"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
       tr -c 'A-Za-z0-9\n' _)
 python3 -c "

@@ -26,7 +26,7 @@ from jaxkv.core import quant
 from jaxkv.ops.arrays import Int8, dequantize_rows
 from jaxkv.ops.cpu import kernels, pages
 
-from bench_checks import cpu_name  # scripts/
+from bench_checks import cpu_name, results_dir  # scripts/
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [O, I] of one SmolLM2 layer
 HEAD = (49152, 576)
@@ -106,7 +106,7 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=30, help="SmolLM2 has 30")
-    ap.add_argument("--out", default="results/bench_kernels")
+    ap.add_argument("--out", default=f"{results_dir()}/bench_kernels")
     args = ap.parse_args()
     if not kernels.registered():
         raise SystemExit("the CPU kernels could not be built here (see the warning)")

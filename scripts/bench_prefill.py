@@ -42,7 +42,7 @@ import jaxkv
 from jaxkv import ops
 from jaxkv.core import checks, decoder
 
-from bench_checks import cpu_name  # scripts/
+from bench_checks import cpu_name, results_dir  # scripts/
 
 
 def load(engine):
@@ -225,7 +225,7 @@ def main():
                              "shared machine its OpenMP threads may wait on each other")
     parser.add_argument("--memory-of", nargs=2, metavar=("ENGINE", "LENGTH"),
                         help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="results/bench_prefill")
+    parser.add_argument("--out", default=f"{results_dir()}/bench_prefill")
     args = parser.parse_args()
     if args.memory_of:
         print(json.dumps(memory_here(args.memory_of[0], int(args.memory_of[1]))))

@@ -43,7 +43,7 @@ import jaxkv
 from jaxkv.core.attention import causal_mask
 from jaxkv.core.decoder import logits as head_logits
 
-from bench_checks import cpu_name  # scripts/
+from bench_checks import cpu_name, results_dir  # scripts/
 
 TEXT = Path(__file__).resolve().parents[1] / "tests/data/tinyshakespeare.txt"
 FORMATS = {  # name: (the weights from the loaded float32 params, KV cache dtype or None)
@@ -128,7 +128,7 @@ def main():
                     choices=[*FORMATS, *LLAMACPP])
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "jaxkv_bench"),
                     help="where the llama.cpp GGUF files are written (as bench_decode's)")
-    ap.add_argument("--out", default="results/bench_quality")
+    ap.add_argument("--out", default=f"{results_dir()}/bench_quality")
     args = ap.parse_args()
     if args.tokens % args.window:
         ap.error("--tokens must be a multiple of --window")

@@ -14,11 +14,12 @@ For a sliding-window model (Gemma 3: --model gemma3) the same weights run three 
 Each point is a jitted lax.scan of --steps decode steps starting at that position (the cache
 donated, positions traced: one compile per capacity, asserted), timed once per round, round
 after round (best of --repeats), so a slow spell of a shared machine falls on every point
-alike. Writes JSON + PNG.
+alike. Writes JSON + PNG (to the machine's folder under results/ unless --out says otherwise).
 
   python scripts/bench_scaling.py                      # SmolLM2-135M, B=1, capacities to 8192
   python scripts/bench_scaling.py --capacities 320 2048 --positions 0 256   # quick
-  python scripts/bench_scaling.py --model gemma3 --capacities 8192 --out results/bench_scaling_gemma3
+  python scripts/bench_scaling.py --model gemma3 --capacities 8192 \
+      --out results/cpu/intel_f6_m207/bench_scaling_gemma3
 """
 
 import argparse
@@ -37,7 +38,7 @@ from jaxkv.core.tracecount import count_trace
 from jaxkv.core.attention import causal_mask
 from jaxkv.core.decoder import extend, logits
 
-from bench_checks import cpu_name  # scripts/
+from bench_checks import cpu_name, results_dir  # scripts/
 
 
 def dense_step(params, cache, token_B, pos_B):
@@ -126,7 +127,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="results/bench_scaling")
+    ap.add_argument("--out", default=f"{results_dir()}/bench_scaling")
     args = ap.parse_args()
     if args.model == "smollm2":
         from jaxkv.formats.locate import default_model

@@ -32,7 +32,7 @@ import numpy as np
 import jaxkv
 from jaxkv.decoding import speculative
 
-from bench_checks import cpu_name  # scripts/
+from bench_checks import cpu_name, results_dir  # scripts/
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "tests", "data",
                            "tinyshakespeare.txt")
@@ -157,11 +157,12 @@ def main():
     ap.add_argument("--costs", action="store_true", help="only time tree passes (see above)")
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 3, 5, 9, 17],
                     help="--costs: tree nodes per row")
-    ap.add_argument("--out", help="path without extension (default results/bench_speculative, "
-                    "with --costs results/bench_speculative_costs)")
+    ap.add_argument("--out", help="path without extension (default: the machine's folder under "
+                    "results/, bench_speculative, with --costs bench_speculative_costs)")
     args = ap.parse_args()
-    args.out = args.out or ("results/bench_speculative_costs" if args.costs else
-                            "results/bench_speculative")
+    args.out = args.out or (f"{results_dir()}/bench_speculative_costs" if args.costs else
+                            f"{results_dir()}/bench_speculative")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     path = jaxkv.default_model()
     params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)
     if args.costs:
@@ -184,7 +185,6 @@ def main():
                 print(summary(rows[-1]), flush=True)
     result = dict(cpu=cpu_name(), machine=platform.machine(), jax=jax.__version__,
                   new_tokens=args.new_tokens, prompts=args.prompts, rows=rows)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     plot(result, args.out + ".png")

@@ -25,7 +25,7 @@ import numpy as np
 import jaxkv
 from jaxkv.decoding import batching
 
-from bench_checks import cpu_name  # scripts/
+from bench_checks import cpu_name, results_dir  # scripts/
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "tests", "data",
                            "tinyshakespeare.txt")
@@ -123,7 +123,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    ap.add_argument("--out", default="results/bench_throughput")
+    ap.add_argument("--out", default=f"{results_dir()}/bench_throughput")
     args = ap.parse_args()
     path = jaxkv.default_model()
     params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)

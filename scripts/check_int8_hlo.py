@@ -13,7 +13,7 @@ texts under <out>_hlo/; prints one line per program. Exits 1 when the loop uses 
 
   python scripts/check_int8_hlo.py --models smollm2-shapes --batches 1 16    # on the CPU
   python scripts/check_int8_hlo.py --models smollm2-shapes llama-1b --blocks 0 32 \
-      --out results/gpu/int8_hlo                                              # on a GPU
+      --out results/gpu/h200/int8_hlo_h200                                    # on a GPU
 """
 
 import argparse
@@ -28,7 +28,7 @@ import jaxkv
 from jaxkv.decoding.generate import generate_args, generate_loop
 from jaxkv.formats.hf import config_from_hf
 
-from bench_checks import cpu_name  # scripts/
+from bench_checks import cpu_name, results_dir  # scripts/
 from bench_decode import RANDOM_MODELS
 from hlo import float_copies, hlo_computations
 
@@ -88,7 +88,7 @@ def main():
                     help="inputs per scale; 0: one scale per row")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--out", default="results/int8_hlo")
+    ap.add_argument("--out", default=f"{results_dir()}/int8_hlo")
     args = ap.parse_args()
     os.makedirs(args.out + "_hlo", exist_ok=True)
     rows = []

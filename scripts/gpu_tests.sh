@@ -5,15 +5,14 @@
 # before AGAIN_S: with XLA:GPU's deterministic scatter rewrite off (the suite runs with
 # --xla_gpu_deterministic_ops=true, set by tests/conftest.py, and XLA has had bugs in that
 # rewrite), and with every .at[].set marked unique_indices (scripts/gpu_unique_scatter.py: the
-# rewrite leaves such scatters alone; the candidate fix). Logs go to $OUT (default results/gpu).
+# rewrite leaves such scatters alone; the candidate fix). Logs go to $OUT (default
+# results/gpu/<chip>, e.g. results/gpu/h200: scripts/bench_checks.py's results_dir).
 # The defaults (300 + 2 x 130 s) fit one 600 s device call:
 #   run(command="bash scripts/gpu_tests.sh", carry=[".whl"], timeout_s=590)
 # The machine's image lacks gguf, soundfile and soxr: carry them as wheels in .whl (the device
 # tool's README: pip download --python-version 3.12 ... gguf soundfile soxr cffi pycparser),
 # and this script installs them.
 set -uo pipefail
-out=${OUT:-results/gpu}
-mkdir -p "$out"
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
@@ -21,6 +20,9 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 \
     XLA_PYTHON_CLIENT_PREALLOCATE=false TOKENIZERS_PARALLELISM=false
+out=${OUT:-$(cd scripts && python3 -c \
+             'from bench_checks import results_dir; print(results_dir())')} || exit 1
+mkdir -p "$out"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
       tr -c 'A-Za-z0-9\n' _)
 log="$out/tests_suite_${gpu:-cpu}"

@@ -29,6 +29,8 @@ import numpy as np
 
 import jaxkv
 
+from bench_checks import results_dir  # scripts/
+
 WEIGHT_OPERAND = re.compile(r"%params_(?:blocks_\d+__)?(\w+?)(?:\.\d+)?[,)]")
 
 
@@ -116,7 +118,7 @@ def main():
     ap.add_argument("--capacity", type=int, default=160)
     ap.add_argument("--pos", type=int, default=96)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", default="results/profile_step")
+    ap.add_argument("--out", default=f"{results_dir()}/profile_step")
     args = ap.parse_args()
     from jaxkv.formats.locate import default_model
 

@@ -21,7 +21,7 @@ import numpy as np
 import jaxkv
 from jaxkv.decoding import drafts
 
-from bench_checks import cpu_name  # scripts/
+from bench_checks import cpu_name, results_dir  # scripts/
 from bench_speculative import prompts_of  # scripts/
 
 
@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=4, help="prompts of each kind (at most 4)")
     ap.add_argument("--n-draft", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--out", default="results/replay_lookup.json")
+    ap.add_argument("--out", default=f"{results_dir()}/replay_lookup.json")
     args = ap.parse_args()
     drafts.MIN_MATCH = 1  # every match proposes; the table splits them by length
     path = jaxkv.default_model()

@@ -37,7 +37,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(DATA), help="a text file, read as bytes")
-    ap.add_argument("--out", default="results/train_lm", help="loss PNG, run record, sample")
+    ap.add_argument("--out", help="loss PNG, run record, sample (default: the machine's folder "
+                    "under results/, train_lm)")
     ap.add_argument("--model-dir", default="runs/train_lm/model", help="the final jaxkv.save")
     training_run.add_run_flags(ap, steps=600, lr=3e-3, warmup=50, every=200,
                         ckpt_dir="runs/train_lm/ckpt")
@@ -51,7 +52,11 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", default="ROMEO:")
     ap.add_argument("--sample-len", type=int, default=300, help="bytes to sample")
     ap.add_argument("--temperature", type=float, default=0.8)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.out is None:  # imported here: tests load this file without scripts/ on the path
+        from bench_checks import results_dir
+        args.out = f"{results_dir()}/train_lm"
+    return args
 
 
 def model_config(args) -> jaxkv.Config:

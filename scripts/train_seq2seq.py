@@ -33,7 +33,8 @@ RUN_FLAGS = ("seed", "steps", "batch", "d_model", "layers", "encoder_layers", "h
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="results/train_seq2seq", help="results, PNG, run record")
+    ap.add_argument("--out", help="results, PNG, run record (default: the machine's folder "
+                    "under results/, train_seq2seq)")
     training_run.add_run_flags(ap, steps=5000, lr=1e-2, warmup=100, every=500,
                         ckpt_dir="runs/train_seq2seq/ckpt")
     ap.add_argument("--batch", type=int, default=64)
@@ -43,7 +44,11 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--d-ff", type=int, default=256)
     ap.add_argument("--test-size", type=int, default=2000, help="held-out strings")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.out is None:  # imported here: tests load this file without scripts/ on the path
+        from bench_checks import results_dir
+        args.out = f"{results_dir()}/train_seq2seq"
+    return args
 
 
 def model_config(args) -> jaxkv.Config:

@@ -1,15 +1,19 @@
-"""Every ```python block of README.md runs as written, so an example cannot rot (all but the
-title's one-line signature of decode_step, which names its arguments but does not make them).
+"""Every ```python block of README.md and of each docs/*.md runs as written, so an example
+cannot rot (all but the README title's one-line signature of decode_step, which names its
+arguments but does not make them).
 
-The blocks under one `#` or `##` heading form one script, run in order in one namespace (later
-blocks use what earlier ones defined), in a fresh Python process whose working directory is the
-repository root: a section that needs 8 host devices sets XLA_FLAGS itself before importing jax.
-The processes run with JAX_PLATFORMS=cpu, so that the mesh example finds its 8 simulated
+The blocks under one `#` or `##` heading of one file form one script, named "<file>: <heading>",
+run in order in one namespace (later blocks use what earlier ones defined; `###` subsections
+stay in their `##` section's script), in a fresh Python process whose working directory is the
+repository root: a section that needs 8 host devices sets XLA_FLAGS itself before importing
+jax. The processes run with JAX_PLATFORMS=cpu, so that the mesh example finds its 8 simulated
 devices on a machine with an accelerator too. Nothing in the code is substituted: the examples
-are written small enough to run as they are. Non-python fences (bash, text) are not run.
-All sections start at once: most of their time is compiling, which keeps one core busy each.
+are written small enough to run as they are. Non-python fences (bash, text) are not run. All
+sections start at once: most of their time is compiling, which keeps one core busy each; each
+loads its model, so the docs keep their examples in few sections.
 """
 
+import glob
 import os
 import subprocess
 import sys
@@ -17,11 +21,13 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
+                               for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
 # Sections whose block is a one-line signature, not an example.
-SIGNATURES = {"jaxkv"}
+SIGNATURES = {"README.md: jaxkv"}
 # What a section's output must contain, where its examples print something checkable.
-PRINTS = {"Library example": "ask not what your country can do for you"}
+PRINTS = {"docs/guide.md: Decoding": "ask not what your country can do for you"}
 
 
 def python_sections(markdown: str) -> dict[str, str]:
@@ -36,27 +42,35 @@ def python_sections(markdown: str) -> dict[str, str]:
             block.append(line)
         elif line.startswith(("# ", "## ")):
             heading = line.lstrip("#").strip()
+    assert fence is None, "a ``` fence is not closed"
     return {h: "\n\n".join(blocks) for h, blocks in sections.items()}
 
 
-with open(os.path.join(ROOT, "README.md")) as f:
-    SECTIONS = python_sections(f.read())
+def all_sections() -> dict[str, str]:
+    """{"<file>: <heading>": script} over README.md and docs/*.md."""
+    sections = {}
+    for name in FILES:
+        with open(os.path.join(ROOT, name)) as f:
+            for heading, script in python_sections(f.read()).items():
+                sections[f"{name}: {heading}"] = script
+    return sections
 
 
+SECTIONS = all_sections()
 RUN = sorted(set(SECTIONS) - SIGNATURES)
 
 
 @pytest.fixture(scope="module")
 def processes(tmp_path_factory):
-    """{heading: (process, stdout file, stderr file)} for every section, all started at once."""
+    """{section: (process, stdout file, stderr file)} for every section, all started at once."""
     folder = tmp_path_factory.mktemp("readme")
     env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
     started = {}
-    for i, heading in enumerate(RUN):
+    for i, section in enumerate(RUN):
         script, out, err = (folder / f"section{i}{ext}" for ext in (".py", ".out", ".err"))
-        script.write_text(SECTIONS[heading])
+        script.write_text(SECTIONS[section])
         with open(out, "w") as stdout, open(err, "w") as stderr:
-            started[heading] = (subprocess.Popen([sys.executable, str(script)], cwd=ROOT,
+            started[section] = (subprocess.Popen([sys.executable, str(script)], cwd=ROOT,
                                                  env=env, stdout=stdout, stderr=stderr), out, err)
     yield started
     for process, _, _ in started.values():
@@ -66,14 +80,18 @@ def processes(tmp_path_factory):
 
 
 def test_the_examples_are_found():
-    assert {"Library example", "Running on a mesh (several devices, several hosts)"} <= set(RUN)
-    assert all(SECTIONS[heading].strip() for heading in RUN)
-    assert all(len(SECTIONS[heading].strip().splitlines()) == 1 for heading in SIGNATURES)
+    assert {"README.md: Library example", "docs/guide.md: Decoding",
+            "docs/guide.md: Data sets, streaming, chat, command line",
+            "docs/guide.md: Running on a mesh (several devices, several hosts)",
+            "docs/speculative.md: How it works, with an example"} <= set(RUN)
+    assert set(PRINTS) <= set(RUN)
+    assert all(SECTIONS[section].strip() for section in RUN)
+    assert all(len(SECTIONS[section].strip().splitlines()) == 1 for section in SIGNATURES)
 
 
-@pytest.mark.parametrize("heading", RUN)
-def test_readme_section_runs(heading, processes):
-    process, out, err = processes[heading]
+@pytest.mark.parametrize("section", RUN)
+def test_readme_section_runs(section, processes):
+    process, out, err = processes[section]
     returncode = process.wait(timeout=600)
-    assert returncode == 0, f"README section {heading!r} failed:\n{err.read_text()[-3000:]}"
-    assert PRINTS.get(heading, "") in out.read_text().lower()
+    assert returncode == 0, f"{section!r} failed:\n{err.read_text()[-3000:]}"
+    assert PRINTS.get(section, "") in out.read_text().lower()
