@@ -40,7 +40,7 @@ from jaxkv.ops.arrays import Int8
 # Modules the documentation names by these short paths (jaxkv.stops.cut, jaxkv.train.fit, ...).
 from jaxkv.core import sharding  # noqa: E402,I001
 from jaxkv.decoding import stops  # noqa: E402
-from jaxkv.front import jsonl, transcribe  # noqa: E402
+from jaxkv.front import chat, jsonl, transcribe  # noqa: E402
 from jaxkv.training import train  # noqa: E402
 
 __all__ = [
@@ -49,7 +49,7 @@ __all__ = [
     "accept_node", "apply_chat_template", "beam_search", "build_forest", "cast",
     "chat_template", "decode_branches", "decode_step", "default_model", "default_whisper",
     "encode", "extend", "forest_logits", "forest_pass", "forward", "generate",
-    "generate_branches", "generate_many", "init_cache", "init_params", "iter_many",
+    "chat", "generate_branches", "generate_many", "init_cache", "init_params", "iter_many",
     "iter_tokens", "jsonl", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix",
     "prefill", "quantize", "sample", "sampling_params", "save", "score_continuations",
     "set_value_checks", "sharding", "speculative_generate", "stop_strings", "stops", "stream",
