@@ -49,7 +49,7 @@ def test_decode_step_values(params, cache, step, token, pos, match, compiled):
 
 
 def test_readme_loop_past_the_cache_is_an_error(params):
-    """The README's loop, run past a 16-slot cache: it wrote nowhere and returned plausible
+    """docs/guide.md's loop, run past a 16-slot cache: it wrote nowhere and returned plausible
     logits before; now the step that would write past the cache raises."""
     step = jax.jit(jaxkv.decode_step, donate_argnames="cache")
     cache = jaxkv.init_cache(params, 1, 16)

@@ -27,7 +27,7 @@ def hf_filter(logits, top_k=None, top_p=None, min_p=None):
 
 def test_argmax_is_numpy_argmax():
     """Ties (first wins), NaN (the first counts as the largest), all -inf rows, and +inf. Against
-    numpy, not jnp.argmax: on an H100 that took a row's last NaN (results/gpu/argmax_h100.log)."""
+    numpy, not jnp.argmax: on an H100 that took a row's last NaN (results/gpu/h100/argmax_h100.log)."""
     x = random_logits()
     x[0, 7] = x[0, 30] = 9.0
     x[1, 12], x[1, 40] = np.nan, np.nan

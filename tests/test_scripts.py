@@ -1,5 +1,5 @@
 """The benchmark scripts run end to end on tiny settings and write their JSON and plot (their
-figures come from full runs, recorded in results/ and README)."""
+figures come from full runs, recorded in results/ and docs/performance.md)."""
 
 import json
 import os
@@ -28,6 +28,8 @@ RUNS = {
     "bench_kernels": ["--dtypes", "int8", "--rows", "1", "2", "--repeats", "1", "--layers", "1"],
     "bench_attention": ["--contexts", "40", "--repeats", "1", "--layers", "1"],
     "bench_checks": ["--models", "tiny", "--batches", "1", "--new-tokens", "4", "--rounds", "1"],
+    "bench_commits": ["--old", "HEAD", "--new", "HEAD", "--dtypes", "int8", "--rounds", "1",
+                      "--repeats", "1"],
     "check_int8_hlo": ["--dtypes", "int8", "--batches", "1", "--blocks", "32", "--new-tokens",
                        "2", "--prompt-len", "4"],
 }
@@ -49,6 +51,9 @@ def test_script_runs(script, tmp_path):
         result = json.load(f)
     if script == "profile_step":  # tables, not a plot
         assert result["by_kind"] and result["by_weight"]
+        return
+    if script == "bench_commits":  # a table of two commits, not a plot
+        assert 0.5 < result["summary"]["int8"]["new_over_old_paired"] < 2
         return
     if script == "check_int8_hlo":  # a check, not a benchmark: no plot
         assert result["rows"] and not result["rows"][0]["loop_copies"]

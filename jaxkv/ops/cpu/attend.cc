@@ -1,7 +1,7 @@
 // Attention of a call's queries over a cache and their own keys on the CPU (decode steps, tree
-// passes, prefill chunks): jaxkv/attention.py calls it where XLA:CPU's batched products run far
-// below the machine's speed (a 4 x 9-node tree pass of SmolLM2: [27 x 64] x [64 x 400] per kv
-// head at ~55 GFLOP/s; a 256-token prefill chunk's ~100 GFLOP/s on a 2-core Zen 4).
+// passes, prefill chunks): jaxkv/ops/cpu/kernels.py calls it where XLA:CPU's batched products
+// run far below the machine's speed (attention's small products per kv head, such as a tree
+// pass's [27 x 64] x [64 x 400]).
 //
 // q [B, T, N, H] float32; the cache's keys and values k, v [B, K, S, H] (float32 or bfloat16),
 // read where mask [B, T, S] allows and below kv_len (int32 scalar); the call's own keys and
@@ -13,10 +13,7 @@
 // XLA's path does, with a running softmax over blocks of kBlock keys, so a tile early in a
 // prefill chunk stops where its tokens' keys end. A decode step's few queries take DecodeTask
 // instead (keys across lanes).
-// A 4 x 9-node tree pass of SmolLM2 at position 250, same process: 404 -> 139-170 us a call (30
-// calls a pass, 78.5 -> 73.2 ms the pass), a one-row decode step even (25-29 us against 28).
-// A 256-token chunk over 4,096 cached keys (SmolLM2's heads), 2-core Zen 4: 16.6-19.7 ms
-// against XLA's 25.6-28.0 (~150 vs ~95 GFLOP/s).
+// The measurements behind these choices, and against XLA's path, are in docs/kernels.md.
 
 #include <cmath>
 #include <limits>
@@ -168,14 +165,12 @@ void Finish(const Shapes& d, float* scoresT, int64_t key, int64_t n, const bool*
 // Scores of the queries against n keys (rows of H) into scoresT [n, RP]; KB keys x two vectors
 // of queries at a time keep kSums sums going at once. The keys come from (row, kv head) bk of
 // the key set `ks` (converted to float32 in `keys`) and the values that follow them are those
-// of `vs`: both are fetched ahead here, keys 16 ahead into L1 and each key's value into L2 (the
-// cache is in memory, not in cache, when a pass reaches a layer: a 4 x 9-node tree pass of
-// SmolLM2 at position 250, 296 -> 208 us a call, 8.9 -> 6.2 ms the pass; values alone 231-241
-// us; keys 32 or 64 ahead no better).
+// of `vs`: both are fetched ahead here, keys kKeysAhead ahead into L1 and each key's value into
+// L2 (the cache is in memory, not in cache, when a pass reaches a layer). Fetching keys further
+// ahead was no better.
 constexpr int64_t kKeysAhead = 16;
 // Vectors of sums a key loop keeps going at once: half the vector registers (32 with AVX-512,
-// 16 with AVX2). A 256-token chunk over 4,096 keys, 2-core Zen 4, alternating builds: 16 sums
-// 17.5-19.7 ms, 8 sums 25.5-28.3 (XLA 25.6-27.8 in the same processes).
+// 16 with AVX2). Half as many left a prefill chunk's attention no faster than XLA's.
 constexpr int kSums = kRegisters / 2;
 
 template <int NR>
@@ -296,9 +291,8 @@ int64_t Read(const bool* mask, int64_t T, int64_t S, int64_t lo, int64_t n) {
   return lo;
 }
 
-// Keys a running softmax takes at a time: scores [kBlock, RP], 32 KiB at 64 lanes. A chunk of
-// 256 tokens over 4,096 keys, 2-core Zen 4, one process each: 64 keys 25.2 ms, 128 23.3, 256
-// 24.5 (before the 16-sum loops).
+// Keys a running softmax takes at a time: scores [kBlock, RP], 32 KiB at 64 lanes. Half or
+// twice as many were slower.
 constexpr int64_t kBlock = 128;
 
 // One (row b, kv head kv) and a tile of the call's tokens, [t0, t0 + d.T) of T_all (d holds the
@@ -347,11 +341,10 @@ void Task(const Shapes& d, int64_t T_all, int64_t t0, const float* q, const KeyS
 // A decode step's queries (G T <= kFew of them, H a multiple of kLanes) score kLanes keys at a
 // time into one vector each, a key's products summed across lanes by SumAcross. Its running
 // softmax, mask and exponentials then take kLanes keys at once, and each value adds into every
-// query's output held in registers. (With one key at a time, each score summed across lanes
-// on its own and the softmax a key at a time, SmolLM2's decode attention ran at 21-25 GB/s of
-// keys and values in float32 and 12-13 in bfloat16 on a 2-core Zen 5.) Up to 8 queries: 7 (a
-// Qwen2.5-0.5B-shaped kv head, head size 64) took 0.73-0.95 of the general path's time, from
-// memory, at 96 to 2,000 keys.
+// query's output held in registers. (The form this replaced, one key at a time, each score
+// summed across lanes on its own and the softmax a key at a time, was slower.)
+// Up to 8 queries: at 7 (a Qwen2.5-0.5B-shaped kv head, head size 64) this path still beat the
+// general one.
 constexpr int64_t kFew = 8;
 
 inline f32xL load_lanes(const float* p) { return load_f32(p); }
@@ -420,7 +413,7 @@ constexpr int64_t kKeys = kSub * kLanes;
 // Query r's scores of the kLanes keys [kLanes, H] (rows past m or hidden by `seen`: -inf),
 // times the keys' scales where given (int8 keys), soft-capped where softcap > 0.
 // (Inlined: GCC called it, reloading SumAcross's shuffle patterns and spilling its sums on
-// every call; SmolLM2's bfloat16 and int8 decode attention from cache 0.85-0.93 of the time.)
+// every call, which slowed bfloat16 and int8 decode attention.)
 template <typename Key>
 __attribute__((always_inline)) inline f32xL ScoreLanes(const Shapes& d, const float* q_r,
                                                        const Key* keys, const f32xL* scales,
@@ -554,11 +547,8 @@ void DecodeTask(const Shapes& d, const float* q, const KeySet& k, const KeySet& 
 
 // Parts each task's cache keys are split into: with fewer tasks than twice the threads (a
 // decode step: a row's kv heads) and keys to spare, enough parts of at least kPartKeys keys to
-// give every thread work (3 tasks on 2 threads leave one idle a third of the time). SmolLM2's
-// decode attention (3 kv heads, G 3, one row), 2-core Zen 4, with the decode path before
-// DecodeTask, split or not: 614 keys 55 -> 44 us a call; whole decode steps at capacity 8,192
-// in one process: float32 at position 512 / 2,048 / 6,000 1.16x / 1.21x / 1.08x faster,
-// bfloat16 1.02x / 1.05x / 1.11x.
+// give every thread work (3 tasks on 2 threads leave one idle a third of the time). Split so,
+// whole decode steps ran faster, float32 and bfloat16, at short and long positions alike.
 constexpr int64_t kPartKeys = 256;
 
 int64_t Parts(int64_t tasks, int64_t threads, int64_t keys) {

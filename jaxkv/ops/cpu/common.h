@@ -1,5 +1,6 @@
 // What the CPU kernels share: vectors of kLanes floats (GCC's vector extensions, one register
 // of the widest vector unit the build targets), and work split over XLA's intra-op pool.
+// The measurements behind the choices here are in docs/kernels.md.
 
 #include <algorithm>
 #include <atomic>
@@ -33,9 +34,9 @@ inline Slot slot;
 
 namespace {
 
-// Floats per vector, and vector registers. A vector wider than the registers GCC 12 keeps in
-// memory, moving halves through general registers: with 16 lanes on AVX2 (-march=x86-64-v3,
-// 2-core Zen 5) SmolLM2's int8 step products ran at 9.2 ms against 2.9 with AVX-512.
+// Floats per vector, and vector registers: a vector is exactly one register, never wider. A
+// vector wider than the registers GCC 12 keeps in memory, moving halves through general
+// registers, several times slower.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 constexpr int kRegisters = 32;
@@ -83,9 +84,9 @@ inline f32xL int8_lanes(const int8_t* p) {
   return v;
 }
 
-// kLanes bfloat16 -> float32. With AVX-512 one widening load and a shift: GCC's generic vector
-// conversion widened each half on its own and joined them (5 instructions): SmolLM2's bfloat16
-// decode attention, from memory, 1.22-1.30x slower that way (2-core Zen 5, same process).
+// kLanes bfloat16 -> float32: one widening load and a shift, written out with intrinsics
+// because GCC's generic vector conversion widens each half on its own and joins them (5
+// instructions), which slowed bfloat16 decode attention noticeably.
 inline f32xL load_bf16(const uint16_t* p) {
   f32xL v;
 #if defined(__AVX512F__)
@@ -154,11 +155,10 @@ inline void Pause() {
 
 // How long a pool task that has done its chunks waits for the next call's work. Returned to
 // XLA's pool, its thread spins only a few microseconds before it sleeps, and waking it costs
-// the next call's caller several more (a futex in a VM). bfloat16 SmolLM2, 2-core AMD EPYC
-// Zen 5, same process, rounds interleaved (docs/performance.md): where the two vCPUs sit far
-// apart (fast memory, 4x slower hand-offs) generate's step 0.92x the time (paired MBU 0.77 ->
-// 0.83), elsewhere even; a Python loop of jitted decode_step 0.85-0.94x. 20 us gained little,
-// 300 us and 1 ms slowed that loop.
+// the next call's caller several more (a futex in a VM). Waiting this long lets a decode step's
+// many short calls hand their chunks to a thread still awake; it helps most where hand-offs
+// between cores are slow. Much shorter gained little; much longer slowed a loop of decode
+// steps.
 constexpr std::chrono::microseconds kLinger{100};
 
 // Runs the calls posted to the slot, if no other task waits there, until kLinger passes with
@@ -197,8 +197,8 @@ struct Posted {
 
 // work(c) for c in [0, n), claimed by the calling thread and up to threads - 1 helpers: a pool
 // task waiting in the slot, then new tasks on the pool, each of which lingers, once it has run
-// a chunk, where the caller says `linger` (short calls, as a decode step makes: a prefill's
-// attention lingering 100 us before XLA's products took 1.02x the time, 1 ms 1.07-1.12x).
+// a chunk, where the caller says `linger`: short calls, as a decode step makes. After a long
+// call (a prefill's attention) lingering tasks would only slow XLA's products that follow.
 template <typename Work>
 void RunTasks(ffi::ThreadPool pool, int64_t n, const Work& work, bool linger) {
   using namespace jaxkv_pool;

@@ -1,6 +1,6 @@
 // y = x @ w.T for a few rows of x, streaming w once: the matrix products of a decode step on
-// the CPU (jaxkv/kernels/__init__.py compiles this file for the machine at hand and registers
-// its handlers with XLA's FFI).
+// the CPU (jaxkv/ops/cpu/kernels.py compiles this file for the machine at hand and registers
+// its handlers with XLA's FFI). The measurements behind its choices are in docs/kernels.md.
 //
 // x [R, I] float32 (or bfloat16, for bfloat16 w), w [O, I] float32 / bfloat16 / int8 with
 // scales [O, NB] (each scale covers I / NB consecutive inputs of its row), y [R, O] float32.
@@ -13,17 +13,16 @@
 namespace {
 
 constexpr int64_t kTileO = 4;    // output rows that share each load of x
-// Rows of x that share each load of w: 24 sums, 3/4 of AVX-512's vector registers. With AVX2's
-// 16, 3 rows (12 sums) ran slower: bfloat16 and int8 weights at 4 and 16 rows of x 1.24-1.33x
-// the time (bench_kernels.py --layers 10, -march=x86-64-v3 on a 2-core Zen 5).
+// Rows of x that share each load of w: 24 sums, 3/4 of AVX-512's vector registers. The same 6
+// with AVX2's 16 registers: 3 rows (12 sums, within them) ran slower, each load of w shared by
+// half as many rows.
 constexpr int64_t kTileR = 6;
 // Sums an outer-form tile keeps (TileT): 3/4 of the vector registers.
 constexpr int64_t kTileSums = kRegisters * 3 / 4;
-constexpr int64_t kAhead = 4096;  // bytes fetched ahead per byte of a weight (measured: 1-16 KiB)
+constexpr int64_t kAhead = 4096;  // bytes fetched ahead per byte of a weight (tuned by measurement)
 // int8 weights fetch 16 KiB ahead, not 4: a tile of 4 rows of 2,048 inputs (Llama 1B's width)
-// is 8 KiB, read as 4 streams side by side. [O, 2048] one-row products from memory, Zen 5, same
-// process, paired rounds (with Int8Pairs): 38.2 -> 48.7 GB/s (probe 51 GB/s); SmolLM2's
-// (576 inputs) 1.00x.
+// is 8 KiB, read as 4 streams side by side: 4 KiB ahead of its first row falls inside the tile
+// itself. Narrow rows (SmolLM2's 576 inputs) neither gain nor lose.
 constexpr int64_t kAheadInt8 = 16 << 10;
 typedef uint32_t u32xL __attribute__((vector_size(kLanes * 4)));
 
@@ -66,9 +65,9 @@ struct BF16Base {
 // bfloat16 is the top half of a float32. Read as kLanes 32-bit words, 2 kLanes weights hold the
 // even-numbered ones in their low halves (word << 16 is their float32) and the odd-numbered in
 // their high halves (word & 0xffff0000): one integer op per kLanes weights and no widening
-// shuffle, with x de-interleaved to match (Interleave). SmolLM2's step products, 2-core Xeon,
-// against widening 16 weights at a time (A/B, same session): 1 row 15.0 -> 12.0 ms, 16 rows
-// 28 -> 25 ms, but 4 rows 13.6 -> 14.2-15.3 ms: 3-6 rows keep the widening form (BF16Widen).
+// shuffle, with x de-interleaved to match (Interleave). Faster than widening kLanes weights at
+// a time at one row of x and at many, slower at 3-6 rows, which keep the widening form
+// (BF16Widen).
 struct BF16Rows : BF16Base {
   static constexpr int kParts = 2;
   static constexpr bool kInterleaved = true;
@@ -112,10 +111,9 @@ struct Int8Rows {
 };
 
 // int8 for one row of x: each 2 kLanes inputs as two parts of consecutive kLanes, summed in two
-// chains of multiply-adds. With one chain a row, widening int8 to float32 and adding into it
-// was the bound: [O, 2048] one-row products with one scale a row, 2-core AMD EPYC Zen 5, same
-// process, paired rounds, GB/s of weights from cache 46.4 -> 57.0 (1.19x); from memory the
-// same until fetched further ahead (kAheadInt8).
+// chains of multiply-adds. With one chain a row, widening int8 to float32 and adding into that
+// one chain was the bound; two chains help from cache, and from memory once the weights are
+// fetched further ahead (kAheadInt8).
 template <typename Scale, bool kBlocks>
 struct Int8Pairs : Int8Rows<Scale, kBlocks> {
   static constexpr int kParts = 2;
@@ -125,9 +123,8 @@ struct Int8Pairs : Int8Rows<Scale, kBlocks> {
 };
 
 // Blocks of 32 inputs or more (GGUF's Q8_0), one row of x: a step's 32 products summed as they
-// are, then scaled once (StepScale), where Int8Pairs multiplies each 16 weights by their scale.
-// [O, 2048] products with Q8_0's float16 scales, Zen 5, paired rounds, probe 73 GB/s: from
-// memory 50.3 -> 61.1 GB/s (1.23x), from cache 1.28x; SmolLM2's 121 products 0.96x-1.02x time.
+// are, then scaled once (StepScale), where Int8Pairs multiplies each 16 weights by their scale:
+// one scaling per step and output instead of one per kLanes weights.
 template <typename Scale>
 struct Int8PairBlocks : Int8Rows<Scale, true> {
   static constexpr int kParts = 2;
@@ -141,11 +138,9 @@ struct Int8PairBlocks : Int8Rows<Scale, true> {
 // y[r, o] for rows r0 <= r < r0 + NR and o0 <= o < o0 + kTileO, vectorised over the first
 // I_vec inputs and finished one by one. NR is a constant so the accumulators stay in registers.
 // Every loop over k and r is unrolled (the pragmas): with one left rolled GCC keeps acc in
-// memory, a load and a store around every multiply-add (float32 at 36 rows: 57 GFLOP/s a core
-// that way, 87 in registers).
+// memory, a load and a store around every multiply-add.
 // With few rows of x, each part of a step adds into its own accumulators: one chain of
-// dependent multiply-adds per output is what bounded bfloat16 at 1 row (a standalone stream of
-// SmolLM2's bytes, 2 threads: 20 -> 26.5 GB/s; float32 streams at 34).
+// dependent multiply-adds per output is what bounded bfloat16 at 1 row.
 template <int NR, typename Rows>
 void Tile(const Rows& w, const float* x, float* y, int64_t I, int64_t I_vec, int64_t O,
           int64_t o0, int64_t r0) {
@@ -158,8 +153,8 @@ void Tile(const Rows& w, const float* x, float* y, int64_t I, int64_t I_vec, int
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) acc[c][k][r] = f32xL{};
   // The tile's rows are one contiguous run of memory; fetch ahead of it, as many bytes per step
-  // as the step reads (rows of a few cache lines are too short for the hardware prefetchers:
-  // SmolLM2's int8 head ran at 12.8 GB/s without this, 19 with it).
+  // as the step reads (rows of a few cache lines are too short for the hardware prefetchers to
+  // follow on their own).
   constexpr int64_t kWidth = Rows::kParts * kLanes;  // inputs per step
   constexpr int64_t kStep = kTileO * kWidth * sizeof(*w.Row(0));
   constexpr int64_t kBytes = sizeof(*w.Row(0));
@@ -261,15 +256,11 @@ Floats Aligned(int64_t n) {
 // keeps NO x NV accumulators, each kLanes rows of x for one output. Per input, NV loads of xT
 // and NO weights broadcast from memory feed NO NV multiply-adds, and no sum across lanes is
 // left at the end (the dot form's 4 x 6 tile loads once per 2.4 multiply-adds and sums 24 sets
-// of lanes per tile). SmolLM2's step products, 2-core Xeon, A/B in one run: 36 rows 55.3 ->
-// 48.8 ms, 48 rows 63.5 -> 52.7, 24 rows 44.9 -> 41.2, 16 rows even. bfloat16 and int8 weights,
-// converted a block at a time for it, ran 1.2-2.2x slower in this form than in the dot form.
+// of lanes per tile). It is the faster form from about 16 rows of x on (kernels.py's
+// OUTER_ROWS). bfloat16 and int8 weights stay in the dot form: converted a block at a time for
+// this one, they ran slower in it.
 // The outer form computes while it streams w, and fetches ahead further, into L2 only (x's
-// rows and the tile's weights stay in L1). bench_kernels.py --layers 10, 2-core Xeon, one run
-// each: 16 KiB into L1 (as the dot form) 36 rows 25.8 ms, 32 rows 22.8; 64 KiB into L2 23.4 /
-// 21.5; 32 KiB 22.6 / 20.7 (a standalone loop: 17.3 -> 15.3 ms). SmolLM2's 4 x 9-node tree
-// pass, A/B twice: 67.0-71.7 -> 64.1-64.4 ms. The dot form fetching into L2 ran no faster
-// (1 row 18.5 -> 20.4 ms, 4 rows even).
+// rows and the tile's weights stay in L1). The dot form ran no faster fetching into L2.
 constexpr int64_t kAheadT = 32 << 10;
 
 // Output rows of an outer-form tile, whose NV vectors of x each keeps a sum for.
@@ -307,8 +298,8 @@ void TileT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int6
     for (int k = 0; k < NO; ++k)
       for (int v = 0; v < NV; ++v)
         acc[k][v] += splat(tile[k * I + i]) * load_f32(xT + i * Rp + v * kLanes);
-  // Out through L1, row by row: element by element from the registers, the lane extractions
-  // took 9% of a tile (SmolLM2's products at 32 rows in a standalone loop: 18.4 -> 16.7 ms).
+  // Out through L1, row by row: stored element by element from the registers, the lane
+  // extractions took a noticeable share of a tile.
   alignas(64) float out[NO][Rp];
 #pragma GCC unroll 24
   for (int k = 0; k < NO; ++k)
@@ -337,10 +328,7 @@ constexpr int64_t kChunkBytes = 64 << 10;  // below this much of w per chunk, fe
 // chunk(o_begin, o_end) over every output row, in chunks of a multiple of `tile` rows split
 // over the calling thread and XLA's pool: one chunk a thread for one row of x (a decode step's
 // products read memory and do little else, and every chunk starts its stream cold), four for
-// more rows (compute, which a thread held up elsewhere would leave unbalanced). One chunk a
-// thread against four, SmolLM2's 121 one-row products, 2-core AMD EPYC Zen 4, same process,
-// interleaved rounds (GB/s of the weights): int8 27.3 -> 30.5 (probe 49 GB/s) and 24.5 -> 26.2
-// (probe 31), float32 40.3 -> 41.1 and 30.3 -> 30.0, bfloat16 36.7 -> 37.9 and even.
+// more rows (compute, which a thread held up elsewhere would leave unbalanced).
 template <typename Work>
 void Parallel(ffi::ThreadPool pool, int64_t R, int64_t O, int64_t w_bytes, int64_t tile,
               const Work& chunk) {
@@ -356,16 +344,12 @@ void Parallel(ffi::ThreadPool pool, int64_t R, int64_t O, int64_t w_bytes, int64
 }
 
 // bfloat16 weights and one row of bfloat16 x (a bfloat16 model's activations, passed as they
-// are: a float32 copy, scanned back to bfloat16 here, cost 0.36 us of a 576 x 576 call from
-// cache, Zen 5): one vdpbf16ps multiplies 32 pairs exactly and adds them into float32 lanes,
-// where BF16Rows takes two integer ops and two multiply-adds (and holds for any float32 x).
-// The instruction flushes subnormal numbers (below 1.2e-38) to zero. SmolLM2's
-// bfloat16 step products, 2-core Xeon, same process: 1 row 11.0 -> 9.9 ms; 2 rows no faster.
+// are, not as a float32 copy to be scanned back to bfloat16 here): one vdpbf16ps multiplies 32
+// pairs exactly and adds them into float32 lanes, where BF16Rows takes two integer ops and two
+// multiply-adds (and holds for any float32 x). The instruction flushes subnormal numbers (below
+// 1.2e-38) to zero. Only one row of x takes this form: at 2 rows it is no faster.
 // Builds without it (AVX-512 before Cooper Lake and Zen 4, AVX2, plain loops) take the same
-// front-to-back form with the pairs widened: SmolLM2's 121 one-row products, 2-core Zen 5,
-// one process, medians of 1,500-3,000 paired rounds, against BF16Rows, two runs each:
-// x86-64-v4 0.944x and 0.968x the time, x86-64-v3 0.947x and 0.998x (0.92-0.94x in fast-memory
-// minutes, 0.96-1.01x in slow ones); native, with vdpbf16ps, 0.925x.
+// front-to-back form with the pairs widened, still a little faster than BF16Rows.
 constexpr int64_t kPairs = 2 * kLanes;  // bfloat16 inputs per DotPairs
 
 // acc + the kPairs products of bfloat16 w and x, in kLanes sums of two: one vdpbf16ps where
@@ -389,15 +373,9 @@ inline f32xL DotPairs(f32xL acc, const uint16_t* w, const uint16_t* x) {
 }
 
 // One row of w times xb, the row read front to back with kC running sums. Rows read one after
-// another stream faster than kTileO rows read side by side (Tile's order, which this followed
-// before): SmolLM2's bfloat16 step products on a 2-core AMD EPYC Zen 4, against BF16Rows in
-// the same process, went from 3-6% slower (its head alone 9-14% slower) to 2% slower .. 9%
-// faster over four runs (head even); 8 running sums no better. A chunk is then one stream that
-// the hardware prefetchers follow: fetching 16 KiB ahead in software as well (as Tile does)
-// made it slower on the same CPU, one process, interleaved rounds, 4 runs of 60-150 rounds:
-// SmolLM2's 121 products 32.9-34.6 -> 35.3-36.7 GB/s (probe 48-50 GB/s), 27.1-29.1 -> 27.8-31.4
-// (probe 31-33); five [49152, 576] heads 42.1-43.2 -> 44.9-45.6 (probe 48-50). Fetching it
-// into L2 instead, 16 or 64 KiB ahead, was no better than into L1.
+// another stream faster than kTileO rows read side by side (Tile's order); more running sums
+// are no better. A chunk is then one stream that the hardware prefetchers follow, so nothing is
+// fetched ahead in software here: doing so as well (as Tile does), into L1 or L2, was slower.
 constexpr int kC = 4;
 
 float RowDP(const uint16_t* row, const uint16_t* xb, int64_t I, int64_t I_vec) {
@@ -435,10 +413,9 @@ void Dense(ffi::ThreadPool pool, const Rows& w, const float* x, float* y, int64_
 
 // Rows of x past the last whole vector of them that go to the dot form (Chunk, tile by tile
 // while the outer form has w's rows in cache); more are padded to a whole vector. x is
-// transposed here, not by XLA (its transposes took 5.7 ms of a 4 x 9-node tree pass of SmolLM2).
-// bench_kernels.py --layers 10, 2-core Xeon, with the outer form's stores through L1: 36 rows
-// 19.6 ms against 22.9 padded to 48; 24 rows (8 past a vector) 20.0 against 16.2 padded to 32;
-// 20 rows 17.1 against 15.9 padded; 40 rows 22.6 either way.
+// transposed here, not by XLA (its transposes added a visible cost to a tree pass). The dot
+// form costs per row, padding a whole vector of zero rows: a few rows past a vector go to the
+// dot form, more are padded.
 constexpr int64_t kDotRest = 4;
 
 constexpr int64_t kMaxRowsT = 96;  // rows of x dense_t takes
