@@ -1,8 +1,9 @@
 """Decode speed of two commits, measured alternately in one run: did a change keep the step?
 
 Each commit is checked out in a temporary git worktree and served by a worker process of its
-own (this file run with --worker), which loads SmolLM2-135M-Instruct once, as float32, bfloat16
-(jaxkv.cast) and int8 (jaxkv.quantize), and compiles generate for two answer lengths. The parent
+own (this file run with --worker), which loads SmolLM2-135M-Instruct (or --model tiny) once, as
+float32, bfloat16 (jaxkv.cast) and int8 (jaxkv.quantize), and compiles generate for two answer
+lengths. The parent
 then asks the workers in turn, round after round, the first commit asked alternating between
 rounds, so a slow spell of a shared machine falls on both: a step's time is
 (t(N2) - t(N1)) / (N2 - N1) for greedy generates of one 32-token prompt with no end id (the
@@ -28,7 +29,7 @@ DTYPES = ("float32", "bfloat16", "int8")
 N1, N2 = 33, 161  # answer lengths: 32 and 160 decode steps
 
 
-def worker(root: str, dtypes):
+def worker(root: str, model: str, dtypes):
     """Serves one commit: reads a dtype per line, answers its step in ms."""
     sys.path.insert(0, root)
     import jax
@@ -37,11 +38,13 @@ def worker(root: str, dtypes):
     import jaxkv
 
     assert os.path.dirname(os.path.abspath(jaxkv.__file__)) == os.path.join(root, "jaxkv")
-    base = jaxkv.load(jaxkv.default_model())
+    base = jaxkv.load(jaxkv.default_model()) if model == "smollm2" else jaxkv.init_params(
+        jaxkv.Config.llama(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                           d_ff=96, max_seq_len=256), jax.random.key(0))
     make = {"float32": lambda: base, "bfloat16": lambda: jaxkv.cast(base, jnp.bfloat16),
             "int8": lambda: jaxkv.quantize(base)}
     models = {dtype: make[dtype]() for dtype in dtypes}
-    prompt = [[(7 * i) % 1000 + 10 for i in range(32)]]
+    prompt = [[(7 * i) % (base.config.vocab_size - 10) + 10 for i in range(32)]]
 
     def seconds(params, n):
         t0 = time.perf_counter()
@@ -58,12 +61,12 @@ def worker(root: str, dtypes):
         print(f"{1000 * best / (N2 - N1):.4f}", flush=True)
 
 
-def start(commit: str, folder: str, dtypes):
+def start(commit: str, folder: str, model: str, dtypes):
     """A worktree of commit under folder and its worker, once ready."""
     subprocess.run(["git", "worktree", "add", "--detach", folder, commit], check=True,
                    capture_output=True)
-    process = subprocess.Popen([sys.executable, __file__, "--worker", folder, "--dtypes",
-                                *dtypes],
+    process = subprocess.Popen([sys.executable, __file__, "--worker", folder, "--model", model,
+                                "--dtypes", *dtypes],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if process.stdout.readline().strip() != "ready":
         raise SystemExit(f"the worker for {commit} failed")
@@ -81,6 +84,8 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--old", help="a commit (or any git ref): the baseline")
     ap.add_argument("--new", help="the commit compared with it")
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
+                    help="SmolLM2-135M-Instruct, or a tiny random Llama (a quick check)")
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeats", type=int, default=3)
@@ -88,7 +93,7 @@ def main():
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker, args.dtypes)
+        return worker(args.worker, args.model, args.dtypes)
     if not (args.old and args.new):
         ap.error("--old and --new are required")
     from bench_checks import cpu_name, results_dir  # scripts/
@@ -101,7 +106,7 @@ def main():
         workers = {}
         try:
             for name, commit in commits.items():
-                workers[name] = start(commit, os.path.join(tmp, name), args.dtypes)
+                workers[name] = start(commit, os.path.join(tmp, name), args.model, args.dtypes)
             for r in range(args.rounds):
                 for dtype in args.dtypes:
                     for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
@@ -116,7 +121,8 @@ def main():
             for name in commits:
                 subprocess.run(["git", "worktree", "remove", "--force", os.path.join(tmp, name)],
                                capture_output=True)
-    result = dict(cpu=cpu_name(), cpu_count=os.cpu_count(), commits=commits, rounds=args.rounds,
+    result = dict(cpu=cpu_name(), cpu_count=os.cpu_count(), model=args.model, commits=commits,
+                  rounds=args.rounds,
                   repeats=args.repeats, steps_ms=steps, summary={
                       d: dict(old_best_ms=min(steps["old"][d]), new_best_ms=min(steps["new"][d]),
                               new_over_old_paired=statistics.median(
@@ -126,7 +132,7 @@ def main():
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    lines = [f"SmolLM2-135M-Instruct decode step, batch 1: {commits['new']} (new) against "
+    lines = [f"{args.model} decode step, batch 1: {commits['new']} (new) against "
              f"{commits['old']} (old), {args.rounds} alternating rounds, best of {args.repeats}; "
              f"{result['cpu']}, {os.cpu_count()} cores", "",
              "| dtype | old best ms | new best ms | new / old, paired median |",

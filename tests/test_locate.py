@@ -87,7 +87,7 @@ def test_existing_path_wins(hub, tmp_path, monkeypatch):
 def test_cli_takes_a_name(hub, capsys):
     cli.main(["generate", "hi", "--model", "tiny-org/tiny-llama", "--max-new-tokens", "3",
               "--no-chat"])
-    assert "[3 tokens" in capsys.readouterr().out
+    assert "[3 tokens" in capsys.readouterr().err  # the statistics line, on stderr
 
 
 def test_cli_name_not_in_the_cache(tmp_path, monkeypatch):

@@ -28,8 +28,8 @@ RUNS = {
     "bench_kernels": ["--dtypes", "int8", "--rows", "1", "2", "--repeats", "1", "--layers", "1"],
     "bench_attention": ["--contexts", "40", "--repeats", "1", "--layers", "1"],
     "bench_checks": ["--models", "tiny", "--batches", "1", "--new-tokens", "4", "--rounds", "1"],
-    "bench_commits": ["--old", "HEAD", "--new", "HEAD", "--dtypes", "int8", "--rounds", "1",
-                      "--repeats", "1"],
+    "bench_commits": ["--old", "HEAD", "--new", "HEAD", "--model", "tiny", "--dtypes", "int8",
+                      "--rounds", "1", "--repeats", "1"],
     "check_int8_hlo": ["--dtypes", "int8", "--batches", "1", "--blocks", "32", "--new-tokens",
                        "2", "--prompt-len", "4"],
 }
