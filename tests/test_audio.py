@@ -50,6 +50,8 @@ def test_load_audio_resamples_to_16k(tmp_path):
     (np.zeros((1, 2, 100)), r"audio must be samples \[n\] or a batch \[B, n\]"),
     (np.zeros((0,)), "audio is empty"),
     (np.zeros((16000 * 31,)), "audio is 31.0 s long; Whisper takes at most 30 s"),
+    (np.array([0.0, np.nan, 1.0]), r"audio holds nan at \[1\]: samples must be finite"),
+    (np.array([[0.0, 1.0], [np.inf, 0.0]]), r"audio holds inf at \[1, 0\]"),
 ])
 def test_bad_audio_is_a_clear_error(samples, match):
     with pytest.raises(ValueError, match=match):

@@ -330,3 +330,15 @@ def branches(params):
 def test_api_arguments(params, call, error, match):
     with pytest.raises(error, match=match):
         call(params)
+
+
+def test_log_mel_features_must_be_finite():
+    """An all-NaN log-mel once decoded to zeros; now it is refused where it comes in."""
+    whisper = jaxkv.init_params(ENCDEC_CONFIGS["whisper"], jax.random.key(3))
+    e = whisper.config.encoder
+    mel = np.full((1, e.n_mels, e.max_input_len), np.nan, np.float32)
+    for call in (lambda: jaxkv.init_cache(whisper, 1, 8, encoder_inputs=mel),
+                 lambda: jaxkv.generate(whisper, [[1]], 4, encoder_inputs=mel)):
+        with pytest.raises(ValueError, match=r"encoder_inputs holds nan at \[0, 0, 0\]: "
+                                             "log-mel features must be finite"):
+            call()

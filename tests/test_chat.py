@@ -1,6 +1,7 @@
 """Chat keeps its KV cache between turns: a new turn prefills only its own ids, and its answer
 equals a fresh run over the whole conversation."""
 
+import pytest
 
 import jaxkv
 from jaxkv.front.chat import Chat
@@ -36,3 +37,24 @@ def test_window_model_restarts_when_it_would_go_back(llama):
     plain = Chat(llama, char_tokenizer(97), TEMPLATE, max_new_tokens=4, max_len=64)
     plain.cached = [1, 2, 3, 4]
     assert plain.reusable([1, 2, 9, 9, 9]) == 2 and plain.reusable([1, 2]) == 1
+
+
+def test_a_refused_turn_leaves_the_conversation_as_it_was(llama):
+    """A turn too long for the cache is refused before anything changes; the next turn answers
+    as if the refused one had never been said."""
+    tokenizer = char_tokenizer(llama.config.vocab_size)
+    chat = Chat(llama, tokenizer, TEMPLATE, max_new_tokens=4, max_len=64, eos_id=None)
+    first = "".join(chat.say("Hi"))
+    kept = (list(chat.messages), list(chat.cached), list(chat.prefilled))
+    with pytest.raises(ValueError, match="more than max_len"):
+        list(chat.say("x" * 80))
+    assert (chat.messages, chat.cached, chat.prefilled) == kept
+    second = "".join(chat.say("Ok"))
+    whole = tokenizer.encode(jaxkv.apply_chat_template(TEMPLATE, chat.messages[:-1])).ids
+    assert second == tokenizer.decode(sum(jaxkv.iter_tokens(llama, whole, 4, max_len=64), []))
+    assert first and [m["role"] for m in chat.messages] == ["user", "assistant"] * 2
+
+
+def test_a_template_must_be_given(llama):
+    with pytest.raises(ValueError, match="template must be the model's Jinja chat template"):
+        Chat(llama, char_tokenizer(97), None)

@@ -235,3 +235,14 @@ def test_chat_keeps_the_cache_between_turns(tmp_path, llama):
     counts = [line for line in result.stderr.splitlines() if line.startswith("[prefilled")]
     (new1, total1), (new2, total2) = [map(int, re.findall(r"\d+", line)[:2]) for line in counts]
     assert new1 == total1 and total2 - new2 >= total1  # the first turn's prompt was kept
+
+
+def test_stop_escapes_become_characters():
+    """The escapes a shell passes through (--stop "\\n\\n") are the characters they name, as
+    --help says; a backslash before anything else stays."""
+    args = cli.parser().parse_args(["generate", "x", "--stop", "\\n\\n", "--stop", "a\\tb\\\\n",
+                                    "--stop", "C:\\path"])
+    assert args.stop == ["\n\n", "a\tb\\n", "C:\\path"]
+    help_text = " ".join(cli.parser()._subparsers._group_actions[0].choices["generate"]
+                         .format_help().split())
+    assert "\\n is a newline" in help_text

@@ -53,9 +53,39 @@ def test_cut_before_the_first_stop():
     assert stops.cut("no stop", ["END"]) == "no stop"
 
 
+def test_a_string_is_one_stop():
+    """stop="END" is the stop "END", not the stops "E", "N", "D", wherever stop strings are
+    taken (the tables, the text shown, the JSONL answers)."""
+    assert stops.texts_of("END") == ["END"] and stops.texts_of(None) == []
+    assert stops.stop_strings(Pieces(), "END", len(PIECES)).texts == ("END",)
+    tokens = [PIECES.index("E"), PIECES.index("a"), PIECES.index("END")]
+    tables = stops.stop_strings(Pieces(), "END", len(PIECES))
+    ends_BM = jnp.zeros((1, tables.completes.shape[1]), bool)
+    stopped = []
+    for v in tokens:
+        stopped_B, ends_BM = stops.step(tables, ends_BM, jnp.array([v]))
+        stopped.append(bool(stopped_B[0]))
+    assert stopped == [False, False, True]
+
+
 def test_bad_stop_strings():
     import pytest
 
-    for bad in ("\n", [""], [3]):
-        with pytest.raises(ValueError, match="stop must be a list of non-empty strings"):
+    for bad, error, match in (([""], ValueError, "stop strings must not be empty"),
+                              ("", ValueError, "stop strings must not be empty"),
+                              ([3], TypeError, "stop must be a string or a list of strings"),
+                              (7, TypeError, "stop must be a string or a list of strings")):
+        with pytest.raises(error, match=match):
             stops.stop_strings(Pieces(), bad, len(PIECES))
+
+
+def test_tables_of_another_vocabulary_are_refused():
+    import pytest
+
+    from jaxkv.core.config import Config
+
+    tables = stops.stop_strings(Pieces(), ["END"], len(PIECES))
+    config = Config.llama(vocab_size=97, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=8,
+                          max_seq_len=16)
+    with pytest.raises(ValueError, match=r"built for a vocabulary of 16 tokens; the model has 97"):
+        stops.tables(config, tables)

@@ -358,7 +358,17 @@ def _audio_features(e, x, encoder_lengths):
                          f"shape {tuple(x.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"encoder_inputs must be float log-mel features, got {x.dtype}")
+    finite(x, "encoder_inputs", "log-mel features")
     return jnp.asarray(x, jnp.float32), None
+
+
+def finite(x, name: str, what: str):
+    """A concrete float array must hold no NaN or infinity (they would decode to nothing)."""
+    values = concrete(x)
+    if values is not None and not np.isfinite(values).all():
+        where = tuple(int(i) for i in np.argwhere(~np.isfinite(values))[0])
+        raise ValueError(f"{name} holds {values[where]} at {list(where)}: {what} must be finite "
+                         "numbers")
 
 
 def _encoder_tokens(config, x, encoder_lengths):

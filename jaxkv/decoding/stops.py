@@ -25,11 +25,28 @@ class StopStrings:
     texts: tuple = struct.field(pytree_node=False, default=())  # the stop strings
 
 
+def texts_of(stop) -> list[str]:
+    """The stop strings of `stop`: None -> none; a string -> that one stop; a list or tuple ->
+    its strings; StopStrings -> the strings it was built from. Each must be non-empty (an empty
+    stop would end every answer before its first token)."""
+    if stop is None:
+        return []
+    if isinstance(stop, StopStrings):
+        return list(stop.texts)
+    texts = [stop] if isinstance(stop, str) else stop
+    if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+    if not all(texts):
+        raise ValueError(f"stop strings must not be empty (an empty one would end every answer "
+                         f"at once), got {stop!r}")
+    return list(texts)
+
+
 def stop_strings(tokenizer, texts, vocab_size: int) -> StopStrings:
-    """Tables for texts (a list of non-empty strings) over the ids 0..vocab_size-1, reading each
-    token's text with tokenizer.decode([id]) (special tokens have none)."""
-    if isinstance(texts, str) or not all(isinstance(t, str) and t for t in texts):
-        raise ValueError(f"stop must be a list of non-empty strings, got {texts!r}")
+    """Tables for texts (a string, one stop, or a list of non-empty strings) over the ids
+    0..vocab_size-1, reading each token's text with tokenizer.decode([id]) (special tokens have
+    none)."""
+    texts = texts_of(texts)
     prefixes = [(s, k) for s in texts for k in range(1, len(s))]
     index = {p: m for m, p in enumerate(prefixes)}
     M = len(prefixes)
@@ -49,9 +66,16 @@ def stop_strings(tokenizer, texts, vocab_size: int) -> StopStrings:
 
 
 def tables(config, stop, tokenizer=None) -> StopStrings:
-    """StopStrings from None (none), built tables, or a list of strings with the tokenizer."""
-    if stop is None or isinstance(stop, StopStrings):
-        return no_stop_strings(config.vocab_size) if stop is None else stop
+    """StopStrings from None (none), built tables (for this model's vocabulary), or a string or
+    list of strings with the tokenizer."""
+    if isinstance(stop, StopStrings):
+        if stop.inside.shape[0] != config.vocab_size:
+            raise ValueError(f"stop: these tables were built for a vocabulary of "
+                             f"{stop.inside.shape[0]} tokens; the model has {config.vocab_size} "
+                             "(build them with jaxkv.stop_strings(tokenizer, stop, vocab_size))")
+        return stop
+    if not texts_of(stop):
+        return no_stop_strings(config.vocab_size)
     if tokenizer is None:
         raise ValueError("stop strings need the tokenizer: pass tokenizer=, or build the "
                          "tables once with jaxkv.stop_strings(tokenizer, stop, vocab_size)")

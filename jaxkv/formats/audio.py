@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.core import checks
+
 SAMPLE_RATE = 16000
 N_FFT = 400  # 25 ms window
 HOP = 160  # 10 ms hop
@@ -67,6 +69,7 @@ def log_mel(audio, n_mels: int = 80):
     n = x.shape[-1]
     if n == 0:
         raise ValueError("audio is empty: expected at least one sample")
+    checks.finite(x, "audio", "samples")
     if n > N_SAMPLES:
         raise ValueError(f"audio is {n / SAMPLE_RATE:.1f} s long; Whisper takes at most "
                          f"{CHUNK_SECONDS} s per window and long-form splitting is not "

@@ -7,7 +7,7 @@ the whole conversation.
 """
 
 from jaxkv.decoding.batching import Schedule
-from jaxkv.decoding.stops import cut
+from jaxkv.decoding.stops import cut, texts_of
 from jaxkv.formats.tokenizer import render_chat
 from jaxkv.front.stream import Text
 
@@ -18,9 +18,12 @@ class Chat:
     def __init__(self, params, tokenizer, template: str, *, system: str | None = None,
                  max_len: int | None = None, max_new_tokens: int = 256, stop=(), **options):
         c = params.config
+        if not isinstance(template, str) or not template.strip():
+            raise ValueError(f"Chat: template must be the model's Jinja chat template (a "
+                             f"string; jaxkv.chat_template(path) reads it), got {template!r:.60}")
         self.params, self.tokenizer, self.template = params, tokenizer, template
         self.messages = [] if system is None else [{"role": "system", "content": system}]
-        self.max_new_tokens, self.stop = max_new_tokens, list(stop)
+        self.max_new_tokens, self.stop = max_new_tokens, texts_of(stop)
         max_len = max_len or min(c.max_seq_len, 4096)
         self.eos_id = options.setdefault("eos_id", list(c.end_ids) or None)
         self.schedule = Schedule(params, [], max_new_tokens, 1, max_len=max_len,
@@ -29,14 +32,18 @@ class Chat:
         self.prefilled = []  # per turn: (ids prefilled, ids of the conversation)
 
     def say(self, text: str):
-        """The assistant's answer to text, in pieces as it is drawn."""
-        self.messages.append({"role": "user", "content": text})
-        ids = self.tokenizer.encode(self.render()).ids
+        """The assistant's answer to text, in pieces as it is drawn. The turn joins the
+        conversation once answered: a turn refused (too long, say) or broken off leaves it as
+        it was."""
+        if not isinstance(text, str):
+            raise TypeError(f"Chat.say: text must be a string, got {type(text).__name__}")
+        messages = [*self.messages, {"role": "user", "content": text}]
+        ids = self.tokenizer.encode(self.render(messages)).ids
+        s, turn = self.schedule, len(self.prefilled)
+        checked = s.checked(turn, ids)
         start = self.reusable(ids)
-        self.prefilled.append((len(ids) - start, len(ids)))
-        s = self.schedule
-        s.serving[0] = [len(self.prefilled) - 1, s.checked(len(self.prefilled) - 1, ids), start,
-                        self.max_new_tokens]
+        self.cached = ids[:start]  # what the cache surely holds once the prefill begins
+        s.serving[0] = [turn, checked, start, self.max_new_tokens]
         answer, shown = [], Text(self.tokenizer, self.eos_id, self.stop)
         for new in s.stream(1):
             answer += new
@@ -45,10 +52,13 @@ class Chat:
         self.cached = ids + answer[:-1]  # the last id drawn was never run through the model
         reply = self.tokenizer.decode([t for t in answer if t not in shown.ends],
                                       skip_special_tokens=True)
-        self.messages.append({"role": "assistant", "content": cut(reply, self.stop)})
+        self.messages = [*messages, {"role": "assistant", "content": cut(reply, self.stop)}]
+        self.prefilled.append((len(ids) - start, len(ids)))
 
-    def render(self) -> str:
-        return render_chat(self.template, self.params.config, self.tokenizer, self.messages)
+    def render(self, messages=None) -> str:
+        """The conversation (or `messages`) as the template writes it for the next turn."""
+        return render_chat(self.template, self.params.config, self.tokenizer,
+                           self.messages if messages is None else messages)
 
     def reusable(self, ids) -> int:
         """How many leading ids the cache holds already (at least one id is run again, for the

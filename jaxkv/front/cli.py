@@ -12,6 +12,7 @@ memory) ends with one line on stderr, "jaxkv: ...", and exit code 1, before any 
 import argparse
 import math
 import os
+import re
 import sys
 import time
 
@@ -258,9 +259,13 @@ def run_chat(args) -> None:
         began = time.perf_counter()
         if not chat.prefilled:
             status("compiling (or reading the compile cache) for the first turn")
-        for piece in chat.say(line):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        try:
+            for piece in chat.say(line):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except ValueError as e:  # this turn refused; the conversation goes on without it
+            print(f"jaxkv: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+            continue
         new, total = chat.prefilled[-1]
         status(f"prefilled {new} of the conversation's {total} tokens; "
                f"{time.perf_counter() - began:.1f} s")
@@ -302,6 +307,15 @@ def default_compile_cache() -> str:
     return os.environ.get("JAXKV_COMPILE_CACHE", os.path.join(base, "jaxkv", "xla"))
 
 
+ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def unescaped(text: str) -> str:
+    """--stop's TEXT with the escapes a shell passes as two characters made one: \\n a newline,
+    \\t a tab, \\\\ a backslash (so `--stop "\\n\\n"` stops at a blank line)."""
+    return re.sub(r"\\([nt\\])", lambda m: ESCAPES[m.group(1)], text)
+
+
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each flag's default once: the formatter's "(default: ...)" where the flag has a
     value, its help's own words where its default is None (a default model, an option off)."""
@@ -325,9 +339,10 @@ def add_model_flags(cmd) -> None:
     cmd.add_argument("--min-p", type=float, default=None, help="off when not given")
     cmd.add_argument("--repetition-penalty", type=float, default=None,
                      help="off when not given")
-    cmd.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="end the answer before TEXT (repeatable); the model's end-of-turn "
-                          "tokens always end it")
+    cmd.add_argument("--stop", action="append", default=[], metavar="TEXT", type=unescaped,
+                     help="end the answer before TEXT (repeatable; in TEXT, \\n is a newline, "
+                          "\\t a tab, \\\\ a backslash); the model's end-of-turn tokens always "
+                          "end it")
     cmd.add_argument("--seed", type=int, default=0,
                      help="sampling key: prompt i of --input draws with fold_in(key(seed), its "
                           "line)")

@@ -77,6 +77,7 @@ def answer_file(params, tokenizer, encode, input_path: str, output_path: str,
     string; its completion is the text before them. Prompt i of the file draws with
     fold_in(key(seed), its line number), so a resumed job answers as an uninterrupted one.
     Returns how many it answered."""
+    stop = stops.texts_of(stop)
     requests = read_requests(input_path)
     done = answered_ids(output_path)
     pending = [r for r in requests if json.dumps(r["id"]) not in done]
@@ -85,7 +86,7 @@ def answer_file(params, tokenizer, encode, input_path: str, output_path: str,
     if not pending:
         return 0
     answers = iter_many(params, prompts, budgets, key=jax.random.key(seed),
-                        eos_id=list(stop_ids) or None, stop=list(stop) or None,
+                        eos_id=list(stop_ids) or None, stop=stop or None,
                         tokenizer=tokenizer, indices=[r["line"] for r in pending], **options)
     with open(output_path, "a", encoding="utf-8") as out:
         for i, ids in answers:

@@ -32,7 +32,7 @@ class Text:
 
     def __init__(self, tokenizer, end_ids=None, stop=()):
         ends = [] if end_ids is None else [end_ids] if isinstance(end_ids, int) else end_ids
-        self.tokenizer, self.ends, self.stop = tokenizer, set(ends), list(stop)
+        self.tokenizer, self.ends, self.stop = tokenizer, set(ends), stops.texts_of(stop)
         self.hold = max(map(len, self.stop), default=1) - 1  # a stop string may still form
         self.ids, self.sent = [], 0
 
