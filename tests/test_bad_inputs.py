@@ -250,6 +250,10 @@ def test_init_cache_takes_numpy_ints(params):
     ([[1]], dict(eos_id=-2), ValueError, r"eos_id = -2 is not a token id"),
     ([[1]], dict(eos_id=2.5), ValueError, "eos_id must be a token id"),
     ([[1]], dict(pad_id=-1), ValueError, "pad_id must be an int >= 0, got -1"),
+    ([[1]], dict(eos_id=500), ValueError, r"eos_id = 500 is not a token id: expected 0 <= id "
+                                          r"< vocab_size \(97\)"),
+    ([[1]], dict(eos_id=[3, 97]), ValueError, r"eos_id\[1\] = 97 is not a token id"),
+    ([[1]], dict(pad_id=97), ValueError, r"pad_id = 97 is not a token id"),
     ([[1]], dict(max_len=2.0), TypeError, "max_len must be a positive int"),
     ("hello", {}, TypeError, "prompts must be token ids .*encode it first"),
     (["hello", "world"], {}, TypeError, "prompts must be token ids .*got text"),
@@ -326,6 +330,25 @@ def branches(params):
     (lambda p: jaxkv.forward(p, "abc"), TypeError, "tokens must be token ids"),
     (lambda p: jaxkv.prefill(p, jaxkv.init_cache(p, 1, 16), [[1, 2]], [1.5]), TypeError,
      r"lengths must hold integers"),
+    (lambda p: jaxkv.generate_many(p, [[1]], 3, eos_id=500), ValueError,
+     r"eos_id = 500 is not a token id: expected 0 <= id < vocab_size \(97\)"),
+    (lambda p: jaxkv.speculative_generate(p, [[1]], 3, eos_id=500), ValueError,
+     r"eos_id = 500 is not a token id"),
+    (lambda p: jaxkv.beam_search(p, [1], 2, 3, eos_id=500), ValueError,
+     r"eos_id = 500 is not a token id"),
+    (lambda p: jaxkv.beam_search(p, [1], 2, 3, pad_id=100), ValueError,
+     r"pad_id = 100 is not a token id"),
+    (lambda p: next(jaxkv.iter_tokens(p, [1], 3, steps=0)), ValueError,
+     "iter_tokens: steps must be a positive int, got 0"),
+    (lambda p: next(jaxkv.iter_tokens(p, [1], 3, steps=-2)), ValueError,
+     "iter_tokens: steps must be a positive int, got -2"),
+    (lambda p: jaxkv.speculative_generate(p, [[1]], 3, n_draft=10**6), ValueError,
+     r"n_draft=1000000 x n_branches=1: a draft tree of 1000001 nodes does not fit a cache of "
+     r"128 positions \(the model's max_seq_len\); lower n_draft"),
+    (lambda p: jaxkv.speculative_generate(p, [[1]], 3, n_draft=20, max_len=16), ValueError,
+     r"a draft tree of 21 nodes does not fit a cache of 16 positions \(max_len\)"),
+    (lambda p: jaxkv.quantize(p, block=True), ValueError,
+     "quantize: block must be a positive int or None, got True"),
 ])
 def test_api_arguments(params, call, error, match):
     with pytest.raises(error, match=match):

@@ -1,4 +1,5 @@
-"""Model configuration: frozen, validated dataclasses for decoder-only and encoder-decoder models."""
+"""Model configuration: frozen, validated dataclasses for decoder-only and encoder-decoder
+models."""
 
 import dataclasses
 

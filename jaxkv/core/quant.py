@@ -45,7 +45,8 @@ def quantize(params, kind: str = "int8", block: int | None = None):
     Q8_0's layout: closer to the float weights)."""
     if kind != "int8":
         raise ValueError(f"quantize: kind must be 'int8', got {kind!r}")
-    if block is not None and not (isinstance(block, int) and block > 0):
+    if block is not None and not (isinstance(block, int) and not isinstance(block, bool)
+                                  and block > 0):
         raise ValueError(f"quantize: block must be a positive int or None, got {block!r}")
     q = lambda w: w if w is None or isinstance(w, Int8) else quantize_matrix(w, block)  # noqa: E731
     blocks = tuple(b.replace(wqkv=q(b.wqkv), wo=q(b.wo), w_in=q(b.w_in), w_out=q(b.w_out))

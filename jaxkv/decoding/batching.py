@@ -156,6 +156,7 @@ def iter_tokens(params, prompt, max_new_tokens: int, *, steps: int = 1, **option
     """One prompt's answer as it is drawn: lists of new ids, one per compiled call of up to
     `steps` decode steps (a program with no host callback, unlike generate's on_token).
     Options as iter_many's; the answer equals generate's for the prompt."""
+    steps = checks.int_arg(steps, "iter_tokens: steps")
     schedule = Schedule(params, [prompt], max_new_tokens, 1, **options)
     schedule.fill()
     yield from schedule.stream(steps)
@@ -182,7 +183,7 @@ class Schedule:
         self.sampling = sampling_params(batch_size, temperature=temperature, top_k=top_k,
                                         top_p=top_p, min_p=min_p,
                                         repetition_penalty=repetition_penalty)
-        self.stop, self.eos_E = stops.tables(c, stop, tokenizer), eos_ids(eos_id)
+        self.stop, self.eos_E = stops.tables(c, stop, tokenizer), eos_ids(c, eos_id)
         self.params, self.key, self.indices = params, base_key(key), indices
         if self.key.ndim != 0:
             raise ValueError(f"key must be one key (prompt i uses fold_in(key, i)), got key "

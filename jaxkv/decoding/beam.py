@@ -12,6 +12,7 @@ from jaxkv.core.cache import KVCache
 from jaxkv.core.decoder import init_cache
 from jaxkv.core.tracecount import count_trace
 from jaxkv.decoding.multidecode import Prefix, branch_step, check_positions, make_prefix
+from jaxkv.decoding.prompts import eos_ids, pad_value
 
 NEG = -1.0e9  # Hugging Face's "impossible" score, kept so that results match its beam search
 
@@ -102,9 +103,9 @@ def beam_search(params, prompt, beam_size: int, max_new_tokens: int, *, length_p
     checks.token_ids(params.config, prompt, "prompt", 1)
     prefix = make_prefix(params, list(prompt), kv_dtype=kv_dtype)
     check_positions(params, prefix, max_new_tokens)
-    eos_E = jnp.atleast_1d(jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32))
+    eos_E = eos_ids(params.config, eos_id)
+    pad = pad_value(params.config, pad_id, eos_id, eos_E)
     tokens, scores, lengths = _beam_search(params, prefix, eos_E, jnp.float32(length_penalty),
                                            beam_size=beam_size, max_new_tokens=max_new_tokens)
-    pad = pad_id if pad_id is not None else int(eos_E[0]) if eos_id is not None else 0
     tokens = jnp.where(jnp.arange(max_new_tokens) < lengths[:, None], tokens, pad)
     return tokens, scores, lengths

@@ -73,7 +73,8 @@ def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B
 
 
 def generate(params, prompts, max_new_tokens: int, **options):
-    """Continues each prompt by up to max_new_tokens tokens: (tokens [B, max_new_tokens], lengths [B]).
+    """Continues each prompt by up to max_new_tokens tokens: (tokens [B, max_new_tokens],
+    lengths [B]).
 
     prompts: a list of token-id lists (ragged) or a [B, T] array with lengths=[B]. Options:
     temperature (0: greedy), top_k, top_p, min_p, repetition_penalty: scalars or per-row [B]
@@ -130,8 +131,8 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
     check_room(c, lengths_B, max_new_tokens, capacity, max_len)
     sampling = sampling_params(B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                repetition_penalty=repetition_penalty)
-    eos_E = eos_ids(eos_id)
-    pad_id = pad_value(pad_id, eos_id, eos_E)
+    eos_E = eos_ids(c, eos_id)
+    pad_id = pad_value(c, pad_id, eos_id, eos_E)
     suppress_V = token_mask(c, c.suppress_ids if suppress_ids is None else suppress_ids,
                             "suppress_ids")
     begin_V = token_mask(c, c.begin_suppress_ids if begin_suppress_ids is None else

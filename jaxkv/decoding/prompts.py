@@ -90,20 +90,27 @@ def padded_encoder_inputs(config, encoder_inputs, encoder_lengths, batch_size: i
     return inputs, lengths_B
 
 
-def eos_ids(eos_id):
-    """[E] int32 end-of-sequence ids ([-1]: none) from None, an id or a list of ids."""
+def eos_ids(config, eos_id):
+    """[E] int32 end-of-sequence ids ([-1]: none) from None, an id or a list of ids, each a token
+    of the model's vocabulary."""
     if eos_id is None:
         return jnp.array([-1], jnp.int32)
     ids = np.asarray(eos_id)
     if ids.ndim > 1 or ids.size == 0 or ids.dtype.kind not in "iu":
         raise ValueError(f"eos_id must be a token id or a non-empty list of token ids, got "
                          f"{eos_id!r}")
-    checks.in_range(ids, "eos_id", 0, checks.INT32_MAX, "is not a token id")
+    checks.in_range(ids, "eos_id", 0, config.vocab_size, "is not a token id: expected 0 <= id "
+                    f"< vocab_size ({config.vocab_size})")
     return jnp.atleast_1d(jnp.asarray(ids, jnp.int32))
 
 
-def pad_value(pad_id, eos_id, eos_E) -> int:
-    """pad_id, checked; by default the first EOS id, or 0 without one."""
+def pad_value(config, pad_id, eos_id, eos_E) -> int:
+    """pad_id, a token of the model's vocabulary; by default the first EOS id, or 0 without
+    one."""
     if pad_id is None:
         pad_id = 0 if eos_id is None else int(eos_E[0])
-    return checks.int_arg(pad_id, "pad_id", minimum=0)
+    pad_id = checks.int_arg(pad_id, "pad_id", minimum=0)
+    if pad_id >= config.vocab_size:
+        raise ValueError(f"pad_id = {pad_id} is not a token id: expected 0 <= id < vocab_size "
+                         f"({config.vocab_size})")
+    return pad_id

@@ -80,7 +80,8 @@ def _legacy_key(key):
 
 
 def apply_repetition_penalty(logits_BV, seen_BV, penalty_B):
-    """Hugging Face's rule: a seen token's logit is divided by the penalty if > 0, else multiplied."""
+    """Hugging Face's rule: a seen token's logit is divided by the penalty if > 0, else
+    multiplied."""
     p_B1 = penalty_B[:, None]
     penalized_BV = jnp.where(logits_BV > 0, logits_BV / p_B1, logits_BV * p_B1)
     return jnp.where(seen_BV, penalized_BV, logits_BV)

@@ -327,22 +327,35 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
         Ds = (checks.int_arg(8 if n_draft is None else n_draft, "n_draft"),) * len(sizes)
     D = max(Ds)
     max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
-    # The tree of the last round may reach M D + 1 slots past the last answer token.
-    room = None if max_len is None else checks.int_arg(max_len, "max_len") - M * D - 1
-    need = capacity_for(c, T, max_new_tokens, room)
-    check_room(c, lengths_B, max_new_tokens, need, room)
-    capacity = need + M * D + 1
-    if c.position == "learned" and capacity > c.max_seq_len:
-        raise ValueError(f"speculative_generate needs {capacity} positions (prompt + "
-                         f"max_new_tokens + the draft tree's {M * D + 1}); the model has "
-                         f"{c.max_seq_len} learned positions")
+    capacity = _capacity(c, dparams, lengths_B, T, max_new_tokens, max_len, M, D)
     sampling = sampling_params(B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    eos_E = eos_ids(eos_id)
+    eos_E = eos_ids(c, eos_id)
     kv_dtype = None if kv_dtype is None else checks.kv_dtype(kv_dtype, "kv_dtype")
     return _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, row_keys(key, B),
-                             eos_E, jnp.int32(pad_value(pad_id, eos_id, eos_E)),
+                             eos_E, jnp.int32(pad_value(c, pad_id, eos_id, eos_E)),
                              max_new_tokens=max_new_tokens, capacity=capacity, M=M, Ds=Ds,
                              kv_dtype=kv_dtype)
+
+
+def _capacity(c, dparams, lengths_B, T: int, max_new_tokens: int, max_len, M: int, D: int):
+    """Cache slots for prompts padded to T, their answers and the draft tree of the last round,
+    which may reach M D + 1 slots past the last answer token: it must fit max_len (or the
+    model's max_seq_len), and a draft model's learned positions."""
+    tree = M * D + 1
+    limit = c.max_seq_len if max_len is None else checks.int_arg(max_len, "max_len")
+    if tree >= limit:
+        held = "max_len" if max_len is not None else "the model's max_seq_len"
+        raise ValueError(f"n_draft={D} x n_branches={M}: a draft tree of {tree} nodes does not "
+                         f"fit a cache of {limit} positions ({held}); lower n_draft")
+    room = None if max_len is None else limit - tree
+    need = capacity_for(c, T, max_new_tokens, room)
+    check_room(c, lengths_B, max_new_tokens, need, room)
+    for model, config in (("the model", c), ("the draft model", dparams and dparams.config)):
+        if config and config.position == "learned" and need + tree > config.max_seq_len:
+            raise ValueError(f"speculative_generate needs {need + tree} positions (prompt + "
+                             f"max_new_tokens + the draft tree's {tree}); {model} has "
+                             f"{config.max_seq_len} learned positions")
+    return need + tree
 
 
 def _draft_params(params, draft):
