@@ -246,3 +246,11 @@ def test_stop_escapes_become_characters():
     help_text = " ".join(cli.parser()._subparsers._group_actions[0].choices["generate"]
                          .format_help().split())
     assert "\\n is a newline" in help_text
+
+
+def test_output_equal_to_input_is_refused_before_loading(tmp_path, monkeypatch):
+    requests = tmp_path / "in.jsonl"
+    requests.write_text('{"prompt": "Hi"}\n')
+    monkeypatch.setattr(cli, "load_model", lambda path: pytest.fail("loaded a model"))
+    message = refused(["generate", "--input", str(requests), "--output", str(requests)])
+    assert "is the input file" in message and requests.read_text() == '{"prompt": "Hi"}\n'

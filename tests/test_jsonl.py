@@ -70,11 +70,46 @@ def test_resume_after_a_kill_gives_the_same_answers(llama, tmp_path):
     ('{"text": "x"}', 'expected an object with a "prompt" string'),
     ('{"prompt": "x", "id": 1}', "id 1 already used on line 1"),
     ('{"prompt": "x", "max_new_tokens": 0}', '"max_new_tokens" must be a positive int'),
+    ('{"prompt": "x", "max_new_tokens": true}', 'in.jsonl:2: "max_new_tokens" must be a '
+                                                 'positive int, got True'),
+    ('{"prompt": "x", "id": [1]}', 'in.jsonl:2: "id" must be an int or a string'),
+    (b'{"prompt": "caf\xe9"}', r"in.jsonl:2: not UTF-8 text \(invalid continuation byte"),
 ])
 def test_bad_requests(tmp_path, line, message):
-    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n' + line + "\n")
+    """Each bad line is named by file and line, before anything is generated."""
+    line = line if isinstance(line, bytes) else line.encode()
+    (tmp_path / "in.jsonl").write_bytes(b'{"prompt": "a"}\n' + line + b"\n")
     with pytest.raises(ValueError, match=message):
         jsonl.read_requests(str(tmp_path / "in.jsonl"))
+
+
+def test_a_prompt_that_cannot_be_encoded_names_its_line(llama, tmp_path):
+    def encode(text):
+        if not text:
+            raise ValueError("the prompt is empty")
+        return [1]
+
+    write_lines(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": ""}])
+    with pytest.raises(ValueError, match="in.jsonl:2: the prompt is empty"):
+        jsonl.answer_file(llama, char_tokenizer(97), encode, str(tmp_path / "in.jsonl"),
+                          str(tmp_path / "out.jsonl"), 3)
+
+
+def test_the_output_is_guarded(llama, tmp_path):
+    """The requests' own file is refused as the output; so is an output another job holds (a
+    lock the system drops with the job, however it ends)."""
+    import fcntl
+
+    source = write_lines(tmp_path / "in.jsonl", REQUESTS)
+    with pytest.raises(ValueError, match="is the input file"):
+        jsonl.answer_file(llama, char_tokenizer(97), lambda t: [1], str(source), str(source), 3)
+    assert source.read_text().count("\n") == len(REQUESTS)
+    out = tmp_path / "out.jsonl"
+    with open(out, "a") as other_job:
+        fcntl.flock(other_job, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="out.jsonl is being written by another job"):
+            run(llama, tmp_path, out)
+    assert run(llama, tmp_path, out) == 6  # once the other job has ended
 
 
 def test_output_of_another_kind_is_refused(tmp_path):

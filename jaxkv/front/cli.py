@@ -191,6 +191,10 @@ def run_generate(args) -> None:
     if (args.input is None) != (args.output is None):
         raise ValueError("--input and --output go together")
     check_exists(args.input, "--input")
+    if args.input is not None:
+        from jaxkv.front.jsonl import check_paths
+
+        check_paths(args.input, args.output)
     began = time.perf_counter()
     path, params, tokenizer, load_s = start(args)
     if args.input is not None:

@@ -17,35 +17,48 @@ from jaxkv.decoding.batching import iter_many
 
 def read_requests(path: str) -> list[dict]:
     """The requests of a JSONL file, each with its "id" and "line" (1-based); blank lines are
-    skipped; a malformed line or a repeated id is an error naming the line."""
+    skipped. The whole file is read before anything is generated, and a line that is not
+    UTF-8, not a JSON object with a "prompt" string, or has a bad "id" or "max_new_tokens", or
+    repeats an id, is an error naming the file and the line."""
     requests, lines_of = [], {}
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
             where = f"{path}:{line_no}"
             try:
-                request = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not a JSON object ({e.msg})") from e
-            if not isinstance(request, dict) or not isinstance(request.get("prompt"), str):
-                raise ValueError(f'{where}: expected an object with a "prompt" string, got '
-                                 f"{line.strip()[:60]}")
-            request.setdefault("id", line_no)
-            if not isinstance(request["id"], (int, str)) or isinstance(request["id"], bool):
-                raise ValueError(f'{where}: "id" must be an int or a string, got '
-                                 f"{request['id']!r}")
-            budget = request.get("max_new_tokens")
-            if budget is not None and (not isinstance(budget, int) or budget < 1):
-                raise ValueError(f'{where}: "max_new_tokens" must be a positive int, got '
-                                 f"{budget!r}")
-            key = json.dumps(request["id"])
-            if key in lines_of:
-                raise ValueError(f"{where}: id {request['id']!r} already used on line "
-                                 f"{lines_of[key]}")
-            lines_of[key] = line_no
-            requests.append(dict(request, line=line_no))
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") \
+                    from None
+            if line.strip():
+                request = _request(line, where)
+                request.setdefault("id", line_no)
+                key = json.dumps(request["id"])
+                if key in lines_of:
+                    raise ValueError(f"{where}: id {request['id']!r} already used on line "
+                                     f"{lines_of[key]}")
+                lines_of[key] = line_no
+                requests.append(dict(request, line=line_no))
     return requests
+
+
+def _request(line: str, where: str) -> dict:
+    """One request line, checked: a JSON object with a "prompt" string, an optional "id" (an int
+    or a string) and an optional "max_new_tokens" (a positive int)."""
+    try:
+        request = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not a JSON object ({e.msg})") from None
+    if not isinstance(request, dict) or not isinstance(request.get("prompt"), str):
+        raise ValueError(f'{where}: expected an object with a "prompt" string, got '
+                         f"{line.strip()[:60]}")
+    if "id" in request and (not isinstance(request["id"], (int, str)) or
+                            isinstance(request["id"], bool)):
+        raise ValueError(f'{where}: "id" must be an int or a string, got {request["id"]!r}')
+    budget = request.get("max_new_tokens")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
+                               or budget < 1):
+        raise ValueError(f'{where}: "max_new_tokens" must be a positive int, got {budget!r}')
+    return request
 
 
 def answered_ids(path: str) -> set[str]:
@@ -78,21 +91,59 @@ def answer_file(params, tokenizer, encode, input_path: str, output_path: str,
     fold_in(key(seed), its line number), so a resumed job answers as an uninterrupted one.
     Returns how many it answered."""
     stop = stops.texts_of(stop)
+    check_paths(input_path, output_path)
     requests = read_requests(input_path)
+    with open(output_path, "a", encoding="utf-8") as out:
+        _lock(out, output_path)
+        return _answer(params, tokenizer, encode, requests, input_path, out, output_path,
+                       max_new_tokens, stop_ids, stop, seed, options)
+
+
+def check_paths(input_path: str, output_path: str):
+    """The answers go to another file than the requests."""
+    if os.path.exists(output_path) and os.path.samefile(input_path, output_path):
+        raise ValueError(f"the output {output_path} is the input file: answers would be "
+                         "appended to the requests; write them to another file")
+
+
+def _lock(out, output_path: str):
+    """Holds output_path for this job alone (released when the job ends, however it ends): a
+    second job writing the same answers would answer every id twice."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return
+    try:
+        fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"{output_path} is being written by another job; wait for it to end, "
+                         "or write to another file") from None
+
+
+def _encoded(encode, request: dict, input_path: str) -> list[int]:
+    """The request's prompt as ids; a prompt that cannot be one is an error naming its line."""
+    try:
+        return encode(request["prompt"])
+    except ValueError as e:
+        raise ValueError(f"{input_path}:{request['line']}: {e}") from None
+
+
+def _answer(params, tokenizer, encode, requests, input_path, out, output_path, max_new_tokens,
+            stop_ids, stop, seed, options) -> int:
+    """answer_file's work, its output open (and held) as out."""
     done = answered_ids(output_path)
     pending = [r for r in requests if json.dumps(r["id"]) not in done]
-    prompts = [encode(r["prompt"]) for r in pending]
+    prompts = [_encoded(encode, r, input_path) for r in pending]
     budgets = [r.get("max_new_tokens", max_new_tokens) for r in pending]
     if not pending:
         return 0
     answers = iter_many(params, prompts, budgets, key=jax.random.key(seed),
                         eos_id=list(stop_ids) or None, stop=stop or None,
                         tokenizer=tokenizer, indices=[r["line"] for r in pending], **options)
-    with open(output_path, "a", encoding="utf-8") as out:
-        for i, ids in answers:
-            text_ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
-            text = stops.cut(tokenizer.decode(text_ids, skip_special_tokens=True), stop)
-            line = {"id": pending[i]["id"], "completion": text, "tokens": len(ids)}
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
-            out.flush()
+    for i, ids in answers:
+        text_ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
+        text = stops.cut(tokenizer.decode(text_ids, skip_special_tokens=True), stop)
+        line = {"id": pending[i]["id"], "completion": text, "tokens": len(ids)}
+        out.write(json.dumps(line, ensure_ascii=False) + "\n")
+        out.flush()
     return len(pending)
