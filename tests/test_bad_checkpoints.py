@@ -18,8 +18,8 @@ from tokenizers import Tokenizer, models
 import jaxkv
 from jaxkv.formats.saved import MANIFEST, SAVED_CONFIG
 from jaxkv.models import llama
-from jaxkv.models.maps import CheckpointError
-from tests.conftest import CONFIGS, finish_gguf, random_tokens
+from jaxkv.models.maps import CheckpointError, tensor_shapes
+from tests.conftest import CONFIGS, edited_copy, finish_gguf, random_tokens
 
 
 def tiny_tokenizer():
@@ -244,13 +244,7 @@ def write_tiny_gguf(path, omit=(), edit=None):
     for key, value in GGUF_METADATA.items():
         if key not in omit:
             getattr(writer, f"add_{key}")(value)
-    shapes = {}
-    for src in llama.gguf_map(config).values():
-        for part in getattr(src, "parts", (src,)):
-            for i in range(config.n_layers):
-                if part.name is not None:
-                    shapes[part.name.format(i=i)] = part.shape
-    for name, shape in shapes.items():
+    for name, shape in tensor_shapes(config, llama.gguf_map(config)).items():
         writer.add_tensor(name, rng.normal(size=shape).astype(np.float32))
     finish_gguf(writer, edit)
     return path
@@ -335,3 +329,28 @@ def test_float_dtypes_are_accepted(saved_once, dtype):
 def test_missing_path_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere.*does not exist"):
         jaxkv.load(tmp_path / "nowhere")
+
+
+def test_tensors_the_config_does_not_use_are_named(hf_models, tmp_path):
+    """A config.json of 2 layers over a checkpoint of 3 loaded 2 and dropped the third."""
+    path = edited_copy(hf_models["llama_gqa"][1], tmp_path, num_hidden_layers=2)
+    with pytest.raises(CheckpointError, match=r"tensor\(s\) this config does not use, e\.g\. "
+                                              r"'model\.layers\.2\."):
+        jaxkv.load(path)
+
+
+def test_save_replaces_an_earlier_save_whole_and_refuses_other_files(gpt2, llama, tmp_path):
+    """A save over another model's leaves none of it (its tokenizer loaded with the new weights
+    before); a directory of other files is refused, untouched."""
+    from tests.conftest import char_tokenizer
+
+    jaxkv.save(llama, tmp_path / "model", tokenizer=char_tokenizer(97))
+    jaxkv.save(gpt2, tmp_path / "model")
+    assert not (tmp_path / "model" / "tokenizer.json").exists()
+    assert jaxkv.load(tmp_path / "model").config == gpt2.config
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match=r"save: .*mine holds other files \(notes\.txt\)"):
+        jaxkv.save(gpt2, tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+

@@ -12,6 +12,7 @@ from safetensors.numpy import load_file, save_file
 import jaxkv
 from jaxkv.core import quant
 from jaxkv.formats import gguf as gguf_format
+from jaxkv.models.maps import tensor_shapes
 from jaxkv.ops.arrays import Int8, dequantize_rows
 from tests.conftest import CONFIGS, encoder_inputs, finish_gguf, random_tokens
 
@@ -196,15 +197,13 @@ def write_q8_0_gguf(path, float_names=()):
                            feed_forward_length=96, head_count=4, head_count_kv=2,
                            layer_norm_rms_eps=1e-5, vocab_size=97).items():
         getattr(writer, f"add_{key}")(value)
-    for src in llama.gguf_map(config).values():
-        for part in getattr(src, "parts", (src,)):
-            for name in sorted({part.name.format(i=i) for i in range(3)} if part.name else ()):
-                w = rng.normal(size=part.shape).astype(np.float32) * 0.1
-                if w.ndim == 2 and name not in float_names:
-                    writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
-                                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-                else:
-                    writer.add_tensor(name, w if w.ndim == 2 else 1 + 0.1 * w)
+    for name, shape in sorted(tensor_shapes(config, llama.gguf_map(config)).items()):
+        w = rng.normal(size=shape).astype(np.float32) * 0.1
+        if w.ndim == 2 and name not in float_names:
+            writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, w if w.ndim == 2 else 1 + 0.1 * w)
     finish_gguf(writer)
     return path
 

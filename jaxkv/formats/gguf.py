@@ -84,7 +84,8 @@ def load_gguf(path: str, dtype=None, int8=False) -> Params:
         return gguf.dequantize(t.data, t.tensor_type)
 
     name_map = gguf_family(reader, path).name_map(config, set(tensors))
-    return build_params(config, name_map, get_tensor, path, dtype or jnp.float32, int8)
+    return build_params(config, name_map, get_tensor, path, dtype or jnp.float32, int8,
+                        names=tensors)
 
 
 def from_q8_0(data_OX) -> Int8:

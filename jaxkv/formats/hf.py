@@ -43,7 +43,7 @@ def load_hf(directory: str, dtype=None) -> Params:
     config = config_from_hf(hf, config_path, tensors)
     name_map = hf_family(hf, config_path).name_map(config, tensors)
     return build_params(config, name_map, lambda name: _read(tensors, name), directory,
-                                dtype or jnp.float32)
+                        dtype or jnp.float32, names=tensors)
 
 
 def _safetensors_index(files):

@@ -4,6 +4,7 @@ manifest of every file's size and sha256 that loading checks first."""
 import hashlib
 import json
 import os
+import shutil
 import warnings
 
 import jax
@@ -26,8 +27,11 @@ def _flat(params):
 
 def save(params: Params, path, tokenizer=None, chat_template: str | None = None) -> None:
     """Writes params (bitwise) with orbax, plus the config; optionally the tokenizer too. Last,
-    MANIFEST: the size and sha256 of every file written, which load checks."""
+    MANIFEST: the size and sha256 of every file written, which load checks. path must be new,
+    empty, or an earlier save, which is replaced whole (never mixed with this one: its
+    tokenizer does not stay beside these weights)."""
     path = os.path.abspath(os.fspath(path))
+    _clear(path)
     os.makedirs(path, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(path, "params"), _flat(params), force=True)
@@ -40,6 +44,26 @@ def save(params: Params, path, tokenizer=None, chat_template: str | None = None)
         tokenizer.save(os.path.join(path, "tokenizer.json"))
         written.append("tokenizer.json")
     _write_manifest(path, written)
+
+
+SAVED_ENTRIES = ("params", SAVED_CONFIG, MANIFEST, "tokenizer.json")  # what save writes
+
+
+def _clear(path: str):
+    """Makes way for a save at path: an earlier save's entries are removed; a directory that
+    holds anything else is refused."""
+    if not os.path.isdir(path):
+        if os.path.exists(path):
+            raise FileExistsError(f"save: {path} is a file; save into a directory")
+        return
+    others = sorted(set(os.listdir(path)) - set(SAVED_ENTRIES))
+    if others:
+        raise FileExistsError(f"save: {path} holds other files ({', '.join(others[:3])}"
+                              f"{', ...' if len(others) > 3 else ''}); save into a new or empty "
+                              "directory, or into an earlier jaxkv.save, which is replaced")
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
 
 
 def load_saved(path: str, dtype=None) -> Params:

@@ -127,20 +127,24 @@ def split_layer(name: str):
 
 
 def build_params(config: Config, name_map: dict, get_tensor: Callable, source: str,
-                 dtype=jnp.float32, int8=False) -> Params:
+                 dtype=jnp.float32, int8=False, names=None) -> Params:
     """Params for config, each leaf read through name_map; get_tensor(name) -> array, None, or
     an Int8 of numpy arrays (a matrix the file holds as int8 blocks).
 
     int8: every decoder matrix (quant.MATRICES) becomes an Int8: one read as Int8 keeps its
     blocks (its rows moved as the map says), a float one is quantized with one scale per row,
-    as jaxkv.quantize does. Without int8, an Int8 read is dequantized."""
+    as jaxkv.quantize does. Without int8, an Int8 read is dequantized. names (the file's
+    tensor names): every one must be read, or be a copy or buffer the family's config derives
+    (UNREAD): a tensor the config has no place for is an error naming it."""
     skeleton = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
+    read = set()
 
     def fetch(ours: str, src: Src, layer):
         if src.name is None:
             return np.zeros(src.shape, np.float32)
         name = src.name.format(i=layer)
+        read.add(name)
         w = get_tensor(name)
         if w is None:
             raise CheckpointError(f"{source}: missing tensor '{name}' (for {ours})")
@@ -161,7 +165,33 @@ def build_params(config: Config, name_map: dict, get_tensor: Callable, source: s
             w = fetch(ours, entry, layer)
         assert w.shape == leaf.shape, (ours, w.shape, leaf.shape)
         out.append(_leaf(w, dtype, int8 and ours in quant.MATRICES))
+    unread = sorted(n for n in set(names or ()) - read if not UNREAD.search(n))
+    if unread:
+        raise CheckpointError(f"{source}: {len(unread)} tensor(s) this config does not use, e.g. "
+                              f"{', '.join(map(repr, unread[:4]))}: the config (its layer count, "
+                              "its tied head, ...) does not describe this checkpoint")
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# Tensors a checkpoint may hold that no parameter reads: buffers derived from the config
+# (RoPE's inverse frequencies, GPT-2's causal mask) and the copies a tied head or a shared
+# embedding leaves (the head of a tied model, T5's per-stack embeddings, Whisper's proj_out).
+UNREAD = re.compile(r"rotary_emb\.inv_freq$|\.attn\.(masked_)?bias$|position_ids$|"
+                    r"^(encoder|decoder)\.embed_tokens\.weight$|^proj_out\.weight$")
+
+
+def tensor_shapes(config: Config, name_map: dict) -> dict:
+    """{tensor name: shape} of every tensor build_params reads for config through name_map:
+    what a checkpoint of this model holds."""
+    skeleton = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    shapes = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(skeleton)[0]:
+        ours, layer = split_layer(path_name(path))
+        entry = name_map[ours]
+        for src in entry.parts if isinstance(entry, Fused) else (entry,):
+            if src.name is not None:
+                shapes[src.name.format(i=layer)] = tuple(src.shape)
+    return shapes
 
 
 def _leaf(w, dtype, int8: bool):
