@@ -354,3 +354,10 @@ def test_save_replaces_an_earlier_save_whole_and_refuses_other_files(gpt2, llama
         jaxkv.save(gpt2, tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
+
+def test_a_safetensors_name_that_is_a_directory_is_named(hf_models, tmp_path):
+    path = shutil.copytree(hf_models["gpt2"][1], tmp_path / "gpt2")
+    (path / "model-extra.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match=r"model-extra\.safetensors: not a file"):
+        jaxkv.load(path)
+

@@ -52,6 +52,8 @@ def _safetensors_index(files):
 
     index = {}
     for file in files:
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: not a file (a safetensors shard must be one)")
         try:
             handle = safe_open(file, framework="flax")  # flax: bfloat16 tensors load too
         except SafetensorError as e:
