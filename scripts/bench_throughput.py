@@ -50,7 +50,7 @@ class Recorder:
         self.decode, self.log, self.start = batching.decode, [], None
 
     def __call__(self, params, rows, *args):
-        self.log.append((time.perf_counter() - self.start, int((~rows.done).sum())))
+        self.log.append((time.perf_counter() - self.start, int((~rows.answers.done).sum())))
         return self.decode(params, rows, *args)
 
 

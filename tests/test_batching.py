@@ -121,9 +121,73 @@ def test_iter_tokens_streams_generate_answer_without_callbacks(llama, window):
     assert [len(p) for p in pieces] == [3, 3, 3, 1]
     assert sum(pieces, []) == tokens[0].tolist()
     s = batching.Schedule(window, [prompts()[4]], 10, 1)
-    programs = [batching.decode.lower(window, s.rows, s.sampling, s.eos_E, s.stop, 3),
+    programs = [batching.decode.lower(window, s.rows, s.eos_E, s.stop, 3),
                 batching.admit.lower(window, s.rows, 0, np.zeros(batching.PIECE, np.int32), 5,
-                                     0, s.prompt_key(0), 10)]
+                                     0, s.prompt_key(0), 10, s.sampling(0))]
     assert not any("callback" in p.as_text() for p in programs)
     step = jax.jit(jaxkv.decode_step).lower(window, s.rows.cache, s.rows.pos, s.rows.pos)
     assert "callback" in step.as_text()  # what the check would find
+
+
+# ---- per-prompt options and nothing finished lost -------------------------------------------
+
+def test_per_prompt_options_follow_their_prompt(llama):
+    """temperature=[0, 3, 0, 3, 0] applies to prompts 0..4 whichever of 3 rows serves them (it
+    applied to the rows): each answer equals generate's for its prompt, option and key."""
+    key, temps, top_k = jax.random.key(8), [0.0, 3.0, 0.0, 3.0, 0.0], [0, 5, 0, 2, 0]
+    got = jaxkv.generate_many(llama, prompts()[:5], 8, batch_size=3, temperature=temps,
+                              top_k=top_k, key=key)
+    for i, (prompt, t, k) in enumerate(zip(prompts()[:5], temps, top_k)):
+        want, _ = jaxkv.generate(llama, [prompt], 8, temperature=t, top_k=k,
+                                 key=jax.random.fold_in(key, i)[None])
+        assert got[i] == want[0].tolist(), i
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(temperature=[0.5] * 3), "temperature has 3 values for 4 prompts"),
+    (dict(max_new_tokens=[2] * 6), "max_new_tokens has 6 values for 4 prompts"),
+    (dict(max_new_tokens=[2] * 3), "max_new_tokens has 3 values for 4 prompts"),
+    (dict(indices=[0, 1]), "indices has 2 values for 4 prompts"),
+])
+def test_per_prompt_options_need_one_per_prompt(llama, monkeypatch, options, match):
+    monkeypatch.setattr(batching, "admit", lambda *a: pytest.fail("computed something"))
+    budget = options.pop("max_new_tokens", 2)
+    with pytest.raises(ValueError, match=match):
+        jaxkv.generate_many(llama, prompts()[:4], budget, **options)
+
+
+def test_a_list_is_checked_whole_before_anything_is_computed(llama, monkeypatch):
+    monkeypatch.setattr(batching, "admit", lambda *a: pytest.fail("computed something"))
+    bad = prompts()[:6] + [[1, 500]] + prompts()[:3]
+    with pytest.raises(ValueError, match=r"prompts\[6\]\[1\] = 500 is not a token id"):
+        jaxkv.generate_many(llama, bad, 4)
+    with pytest.raises(ValueError, match=r"prompts\[4\] is empty"):
+        jaxkv.generate_many(llama, prompts()[:4] + [[]], 4)
+
+
+def source(n, fail):
+    """A lazy source of prompts that fails at item n: its own error, or a bad prompt."""
+    for i, p in enumerate(prompts()):
+        if i == n:
+            if fail == "source":
+                raise ConnectionError("the data set went away")
+            yield [1, 500]
+        yield p
+
+
+@pytest.mark.parametrize("fail, error, match", [
+    ("source", ConnectionError, "the data set went away"),
+    ("item", ValueError, r"prompts\[6\]\[1\] = 500 is not a token id")])
+def test_a_failing_source_keeps_every_finished_answer(llama, fail, error, match):
+    """The rows at work finish and are yielded, then the error is raised carrying them all."""
+    want = jaxkv.generate_many(llama, prompts()[:6], BUDGETS[:6], eos_id=EOS)
+    seen = {}
+    with pytest.raises(error, match=match) as info:
+        for i, answer in jaxkv.iter_many(llama, source(6, fail), BUDGETS, eos_id=EOS,
+                                         batch_size=4, max_len=128):
+            seen[i] = answer
+    assert info.value.answers == seen == dict(enumerate(want))
+    with pytest.raises(error) as info:
+        jaxkv.generate_many(llama, source(6, fail), BUDGETS, eos_id=EOS, batch_size=4,
+                            max_len=128)
+    assert info.value.answers == dict(enumerate(want))

@@ -41,6 +41,7 @@ class Rows:
     pos: jax.Array  # [B] int32: where the row's next token goes
     keys: jax.Array  # [B] keys: the row's prompt's (fold_in(key, prompt index))
     budget: jax.Array  # [B] int32: the row's prompt's max_new_tokens
+    sampling: SamplingParams  # [B] each: the row's prompt's
     answers: answers_lib.Answers  # done: ended, idle, or its prompt still being admitted
 
 
@@ -51,20 +52,21 @@ def empty_rows(params, batch_size: int, capacity: int, max_new_tokens: int,
                                 done_B=jnp.ones((B,), bool))
     return Rows(init_cache(params, B, capacity), jnp.zeros((B, V), jnp.float32),
                 jnp.zeros((B,), jnp.int32), row_keys(None, B), jnp.zeros((B,), jnp.int32),
-                answers)
+                sampling_params(B), answers)
 
 
 @functools.partial(jax.jit, donate_argnames="rows")
-def admit(params, rows: Rows, row, tokens_P, length, start, key, budget) -> Rows:
+def admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampling) -> Rows:
     """Prefills tokens_P[:length] into row `row` at positions start.. (start 0: a new prompt,
     which forgets the row's last one). The row starts decoding once start + length is the
-    whole prompt, i.e. when called with its last piece: the caller says so through budget > 0."""
+    whole prompt, i.e. when called with its last piece: the caller says so through budget > 0.
+    key and sampling (scalars each) are the prompt's own."""
     count_trace("admit")
     with checks.trusted():  # row, start and length come from Schedule, which checked them
-        return _admit(params, rows, row, tokens_P, length, start, key, budget)
+        return _admit(params, rows, row, tokens_P, length, start, key, budget, sampling)
 
 
-def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget) -> Rows:
+def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampling) -> Rows:
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)  # noqa: E731
     cache_1 = jax.tree.map(take, rows.cache)
     if cache_1.ring_pos is not None:  # a new prompt: the ring's positions are another row's
@@ -79,26 +81,26 @@ def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget) -> Row
                         logits=rows.logits.at[row].set(logits_1V[0]),
                         pos=rows.pos.at[row].set(start + length), keys=rows.keys.at[row].set(key),
                         budget=rows.budget.at[row].set(budget),
+                        sampling=jax.tree.map(lambda x, v: x.at[row].set(v), rows.sampling,
+                                              sampling),
                         answers=answers_lib.restart(a, row, seen_V, budget == 0))
 
 
 @functools.partial(jax.jit, donate_argnames="rows")
-def decode(params, rows: Rows, sampling: SamplingParams, eos_E, stop: StopStrings,
-           max_steps) -> Rows:
+def decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps) -> Rows:
     """Up to max_steps tokens for every decoding row; returns early once some row ends (EOS,
     a stop string, or its budget)."""
     count_trace("decode_rows")
     with checks.trusted():  # positions stay below the capacity Schedule checked
-        return _decode(params, rows, sampling, eos_E, stop, max_steps)
+        return _decode(params, rows, eos_E, stop, max_steps)
 
 
-def _decode(params, rows: Rows, sampling: SamplingParams, eos_E, stop: StopStrings,
-            max_steps) -> Rows:
+def _decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps) -> Rows:
     B = rows.pos.shape[0]
 
     def step(carry):
         rows, n, _ = carry
-        token_B = answers_lib.draw(rows.answers, rows.logits, sampling, rows.keys)
+        token_B = answers_lib.draw(rows.answers, rows.logits, rows.sampling, rows.keys)
         answers, ended_B = answers_lib.append(rows.answers, token_B[:, None],
                                               jnp.ones((B,), jnp.int32), eos_E, stop, rows.budget)
         going_B = ~answers.done
@@ -140,16 +142,33 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
     a resumed job passes the indices its prompts had in the whole data set); eos_id: an id or
     ids that end an answer (included in it); stop: strings that end an answer, checked on the
     answer's text as it grows (a list with tokenizer=, or jaxkv.stop_strings tables); the
-    answer keeps the token that completed one (stops.cut cuts its text)."""
+    answer keeps the token that completed one (stops.cut cuts its text). Options given as one
+    value per prompt (temperature ..., max_new_tokens, indices) apply to that prompt, whichever
+    row serves it, and a list of prompts needs exactly one each.
+
+    Nothing finished is lost: a list of prompts is checked whole before anything is computed;
+    an iterable that fails at item i (the item itself, or the source) stops the admissions,
+    the rows at work finish and are yielded, and the error is raised carrying every answer
+    finished before it (its attribute `answers`: {prompt index: ids})."""
     schedule = Schedule(params, prompts, max_new_tokens, batch_size, **options)
-    bar = Progress(len(schedule.prompts) if isinstance(schedule.prompts, (list, tuple)) else None,
-                   progress)
-    while schedule.fill():
+    bar = Progress(schedule.count, progress)
+    finished, error = {}, None
+    while True:
+        try:
+            busy = schedule.fill()
+        except Exception as e:  # the source or its item i: finish the rows at work, then raise
+            error, busy = e, schedule.stop_admitting()
+        if not busy:
+            break
         schedule.admit_pieces()
         schedule.decode(STEPS_BETWEEN_PIECES if schedule.admitting() else schedule.N)
         for i, answer in schedule.harvest():
             bar.update(len(answer))
+            finished[i] = answer
             yield i, answer
+    if error is not None:
+        error.answers = finished  # every answer finished before it, also yielded
+        raise error
 
 
 def iter_tokens(params, prompt, max_new_tokens: int, *, steps: int = 1, **options) -> Iterator:
@@ -173,41 +192,53 @@ class Schedule:
             raise ValueError("generate_many: encoder-decoder models are not supported (their "
                              "rows need encoder inputs); use generate")
         batch_size = checks.int_arg(batch_size, "batch_size")
-        self.budgets, N = budget_list(max_new_tokens)
+        self.count = len(prompts) if isinstance(prompts, (list, tuple)) else None
+        self.budgets, N = budget_list(max_new_tokens, self.count)
         self.N = checks.bucket_len(N)  # the answers' buffer: a new budget in its bucket reuses it
         self.prompts, self.capacity = sized(c, prompts, self.N, max_len)
         self.limit = (f"max_len ({self.capacity})" if max_len is not None else
                       f"the model's max_seq_len ({self.capacity})"
                       if self.capacity == c.max_seq_len else f"the cache's {self.capacity}")
-        self.queue = enumerate(self.prompts)
-        self.sampling = sampling_params(batch_size, temperature=temperature, top_k=top_k,
-                                        top_p=top_p, min_p=min_p,
-                                        repetition_penalty=repetition_penalty)
+        self.sampling = PerPrompt(self.count, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_p=min_p, repetition_penalty=repetition_penalty)
         self.stop, self.eos_E = stops.tables(c, stop, tokenizer), eos_ids(c, eos_id)
         self.params, self.key, self.indices = params, base_key(key), indices
         if self.key.ndim != 0:
             raise ValueError(f"key must be one key (prompt i uses fold_in(key, i)), got key "
                              f"shape {self.key.shape}")
+        if indices is not None and self.count is not None and len(indices) != self.count:
+            raise ValueError(f"indices has {len(indices)} values for {self.count} prompts: "
+                             "expected one per prompt")
+        work = ((i, ids, self.checked(i, ids)) for i, ids in enumerate(self.prompts))
+        self.queue = iter(list(work) if self.count is not None else work)  # a list: all now
         self.rows = empty_rows(params, batch_size, self.capacity, self.N,
                                self.stop.completes.shape[1])
         self.serving = [None] * batch_size  # row -> [prompt index, ids, ids prefilled, budget]
 
     def decode(self, steps: int):
-        self.rows = decode(self.params, self.rows, self.sampling, self.eos_E, self.stop,
-                           jnp.int32(steps))
+        self.rows = decode(self.params, self.rows, self.eos_E, self.stop, jnp.int32(steps))
 
     def fill(self) -> bool:
         """Gives every free row the next prompt; False once no row has work left."""
         for b, serving in enumerate(self.serving):
             if serving is None:
-                i, ids = next(self.queue, (None, None))
+                i, _, ids = next(self.queue, (None, None, None))
                 if i is None:
                     break
-                self.serving[b] = [i, self.checked(i, ids), 0, self.budgets(i)]
+                self.serve(b, i, ids)
         return not all(s is None for s in self.serving)
 
+    def stop_admitting(self) -> bool:
+        """No more prompts; whether rows are still at work."""
+        self.queue = iter(())
+        return not all(s is None for s in self.serving)
+
+    def serve(self, row: int, i: int, ids, start: int = 0):
+        """Row `row` takes prompt i (ids checked), of which ids[:start] are in its cache."""
+        self.serving[row] = [i, ids, start, self.budgets(i)]
+
     def checked(self, i, ids):
-        """Prompt i's ids, which must fit a row with its budget."""
+        """Prompt i's ids, which must fit a row with its budget; its options must exist."""
         if np.size(ids) == 0:
             raise ValueError(f"prompts[{i}] is empty: every prompt needs a token")
         ids = np.asarray(checks.token_ids(self.config, ids, f"prompts[{i}]", 1), np.int32)
@@ -215,6 +246,10 @@ class Schedule:
         if n + budget > self.capacity:
             raise ValueError(f"prompts[{i}]: {n} tokens + max_new_tokens {budget} = "
                              f"{n + budget} positions, more than {self.limit}")
+        self.sampling(i)
+        if self.indices is not None and i >= len(self.indices):
+            raise ValueError(f"indices has {len(self.indices)} values, but there are more "
+                             f"prompts (prompt {i})")
         return ids
 
     def stream(self, steps: int) -> Iterator:
@@ -247,7 +282,8 @@ class Schedule:
                 tokens_P[: len(piece)] = piece
                 self.rows = admit(self.params, self.rows, jnp.int32(b), tokens_P,
                                   jnp.int32(len(piece)), jnp.int32(start), self.prompt_key(i),
-                                  jnp.int32(budget if s[2] == len(ids) else 0))
+                                  jnp.int32(budget if s[2] == len(ids) else 0),
+                                  self.sampling(i))
 
     def prompt_key(self, i: int):
         return jax.random.fold_in(self.key, i if self.indices is None else self.indices[i])
@@ -263,12 +299,37 @@ class Schedule:
             self.serving[b] = None
 
 
-def budget_list(max_new_tokens):
-    """(prompt index -> max_new_tokens, the largest) from an int or one int per prompt."""
+class PerPrompt:
+    """Sampling options given for every prompt (a scalar) or one per prompt (a sequence):
+    prompt i's, as scalars."""
+
+    def __init__(self, count, **values):
+        """count: how many prompts there are (None: not known ahead)."""
+        self.lengths = {k: len(v) for k, v in values.items() if np.ndim(v) == 1}
+        for name, n in self.lengths.items():
+            if count is not None and n != count:
+                raise ValueError(f"{name} has {n} values for {count} prompts: expected one per "
+                                 "prompt, or one for all")
+        self.table = sampling_params(max(self.lengths.values(), default=1), **values)
+
+    def __call__(self, i: int) -> SamplingParams:
+        for name, n in self.lengths.items():
+            if i >= n:
+                raise ValueError(f"{name} has {n} values, but there are more prompts (prompt "
+                                 f"{i})")
+        return jax.tree.map(lambda x: x[i if self.lengths else 0], self.table)
+
+
+def budget_list(max_new_tokens, count=None):
+    """(prompt index -> max_new_tokens, the largest) from an int or one int per prompt (count of
+    them, when the number of prompts is known)."""
     if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
         values = [checks.int_arg(n, f"max_new_tokens[{i}]") for i, n in enumerate(max_new_tokens)]
         if not values:
             raise ValueError("max_new_tokens is an empty list: expected one int per prompt")
+        if count is not None and len(values) != count:
+            raise ValueError(f"max_new_tokens has {len(values)} values for {count} prompts: "
+                             "expected one per prompt")
 
         def budget(i):
             if i >= len(values):

@@ -43,7 +43,7 @@ class Chat:
         checked = s.checked(turn, ids)
         start = self.reusable(ids)
         self.cached = ids[:start]  # what the cache surely holds once the prefill begins
-        s.serving[0] = [turn, checked, start, self.max_new_tokens]
+        s.serve(0, turn, checked, start)
         answer, shown = [], Text(self.tokenizer, self.eos_id, self.stop)
         for new in s.stream(1):
             answer += new
