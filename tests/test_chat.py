@@ -46,7 +46,9 @@ def test_a_refused_turn_leaves_the_conversation_as_it_was(llama):
     chat = Chat(llama, tokenizer, TEMPLATE, max_new_tokens=4, max_len=64, eos_id=None)
     first = "".join(chat.say("Hi"))
     kept = (list(chat.messages), list(chat.cached), list(chat.prefilled))
-    with pytest.raises(ValueError, match="more than max_len"):
+    with pytest.raises(ValueError, match=r"the conversation at turn 2: \d+ tokens \+ "
+                                         r"max_new_tokens 4 = \d+ positions, more than the "
+                                         r"chat's 64 positions \(max_len\)"):
         list(chat.say("x" * 80))
     assert (chat.messages, chat.cached, chat.prefilled) == kept
     second = "".join(chat.say("Ok"))

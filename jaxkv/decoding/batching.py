@@ -186,7 +186,10 @@ class Schedule:
 
     def __init__(self, params, prompts, max_new_tokens, batch_size, *, temperature=0.0,
                  top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
-                 eos_id=None, stop=None, tokenizer=None, max_len=None, indices=None):
+                 eos_id=None, stop=None, tokenizer=None, max_len=None, indices=None,
+                 limit=None):
+        """limit: how an error names the cache's positions (default: max_len, the model's
+        max_seq_len, or the cache's size, as the capacity came)."""
         c = self.config = params.config
         if c.is_encoder_decoder:
             raise ValueError("generate_many: encoder-decoder models are not supported (their "
@@ -196,7 +199,7 @@ class Schedule:
         self.budgets, N = budget_list(max_new_tokens, self.count)
         self.N = checks.bucket_len(N)  # the answers' buffer: a new budget in its bucket reuses it
         self.prompts, self.capacity = sized(c, prompts, self.N, max_len)
-        self.limit = (f"max_len ({self.capacity})" if max_len is not None else
+        self.limit = limit or (f"max_len ({self.capacity})" if max_len is not None else
                       f"the model's max_seq_len ({self.capacity})"
                       if self.capacity == c.max_seq_len else f"the cache's {self.capacity}")
         self.sampling = PerPrompt(self.count, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -237,14 +240,16 @@ class Schedule:
         """Row `row` takes prompt i (ids checked), of which ids[:start] are in its cache."""
         self.serving[row] = [i, ids, start, self.budgets(i)]
 
-    def checked(self, i, ids):
-        """Prompt i's ids, which must fit a row with its budget; its options must exist."""
+    def checked(self, i, ids, name=None):
+        """Prompt i's ids, which must fit a row with its budget; its options must exist. name:
+        what errors call the prompt (default prompts[i])."""
+        name = name or f"prompts[{i}]"
         if np.size(ids) == 0:
-            raise ValueError(f"prompts[{i}] is empty: every prompt needs a token")
-        ids = np.asarray(checks.token_ids(self.config, ids, f"prompts[{i}]", 1), np.int32)
+            raise ValueError(f"{name} is empty: every prompt needs a token")
+        ids = np.asarray(checks.token_ids(self.config, ids, name, 1), np.int32)
         n, budget = ids.shape[0], self.budgets(i)
         if n + budget > self.capacity:
-            raise ValueError(f"prompts[{i}]: {n} tokens + max_new_tokens {budget} = "
+            raise ValueError(f"{name}: {n} tokens + max_new_tokens {budget} = "
                              f"{n + budget} positions, more than {self.limit}")
         self.sampling(i)
         if self.indices is not None and i >= len(self.indices):

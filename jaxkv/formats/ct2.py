@@ -103,4 +103,5 @@ def load_ct2_whisper(directory: str, dtype=None) -> Params:
     config = build_config(lambda: family.config(variables, ct2_config, tokenizer, source),
                            source)
     return build_params(config, family.name_map(config, set(variables)), variables.get,
-                                source, dtype or jnp.float32)
+                        source, dtype or jnp.float32,
+                        names={n for n, x in variables.items() if np.ndim(x) > 0})

@@ -24,10 +24,12 @@ class Chat:
         self.params, self.tokenizer, self.template = params, tokenizer, template
         self.messages = [] if system is None else [{"role": "system", "content": system}]
         self.max_new_tokens, self.stop = max_new_tokens, texts_of(stop)
+        held = "max_len" if max_len else "its default cache"
         max_len = max_len or min(c.max_seq_len, 4096)
         self.eos_id = options.setdefault("eos_id", list(c.end_ids) or None)
         self.schedule = Schedule(params, [], max_new_tokens, 1, max_len=max_len,
-                                 stop=self.stop or None, tokenizer=tokenizer, **options)
+                                 stop=self.stop or None, tokenizer=tokenizer,
+                                 limit=f"the chat's {max_len} positions ({held})", **options)
         self.cached = []  # the ids the cache holds, position by position
         self.prefilled = []  # per turn: (ids prefilled, ids of the conversation)
 
@@ -40,7 +42,7 @@ class Chat:
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = self.tokenizer.encode(self.render(messages)).ids
         s, turn = self.schedule, len(self.prefilled)
-        checked = s.checked(turn, ids)
+        checked = s.checked(turn, ids, f"the conversation at turn {turn + 1}")
         start = self.reusable(ids)
         self.cached = ids[:start]  # what the cache surely holds once the prefill begins
         s.serve(0, turn, checked, start)

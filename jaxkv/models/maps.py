@@ -175,9 +175,11 @@ def build_params(config: Config, name_map: dict, get_tensor: Callable, source: s
 
 # Tensors a checkpoint may hold that no parameter reads: buffers derived from the config
 # (RoPE's inverse frequencies, GPT-2's causal mask) and the copies a tied head or a shared
-# embedding leaves (the head of a tied model, T5's per-stack embeddings, Whisper's proj_out).
+# embedding leaves (T5's per-stack embeddings; Whisper's head: proj_out in Hugging Face's
+# files, decoder/projection in CTranslate2's).
 UNREAD = re.compile(r"rotary_emb\.inv_freq$|\.attn\.(masked_)?bias$|position_ids$|"
-                    r"^(encoder|decoder)\.embed_tokens\.weight$|^proj_out\.weight$")
+                    r"^(encoder|decoder)\.embed_tokens\.weight$|^proj_out\.weight$|"
+                    r"^decoder/projection/weight$")
 
 
 def tensor_shapes(config: Config, name_map: dict) -> dict:
