@@ -1,6 +1,5 @@
 """Attention as the model uses it: the softmax over a cache (through jaxkv.ops.attention),
-keys shared by groups of rows, split attention merged by log-sum-exp, causal masks and T5's
-relative position bias."""
+keys shared by groups of rows, causal masks and T5's relative position bias."""
 
 import math
 
@@ -27,19 +26,6 @@ def attend_shared(q_BTNH, k_PKSH, v_PKSH, mask_PS, scale: float, kv_len=None, so
     out, lse = ops.attention(q_PRNH, k_PKSH, v_PKSH, mask_PRS, scale, kv_len=kv_len,
                              softcap=softcap)
     return out.reshape(B, T, N, H), lse.reshape(B, T, N)
-
-
-def merge_parts(out1_BTNH, lse1_BTN, out2_BTNH, lse2_BTN):
-    """Softmax attention over the union of two disjoint key sets, from each set's part:
-    (output, log-sum-exp)."""
-    top_BTN = jnp.maximum(lse1_BTN, lse2_BTN)
-    top_BTN = jnp.where(jnp.isfinite(top_BTN), top_BTN, 0.0)
-    w1_BTN, w2_BTN = jnp.exp(lse1_BTN - top_BTN), jnp.exp(lse2_BTN - top_BTN)
-    total_BTN = w1_BTN + w2_BTN
-    safe_BTN = jnp.maximum(total_BTN, jnp.finfo(jnp.float32).tiny)
-    out_BTNH = (out1_BTNH * (w1_BTN / safe_BTN)[..., None] +
-                out2_BTNH * (w2_BTN / safe_BTN)[..., None])
-    return out_BTNH, top_BTN + jnp.log(total_BTN)
 
 
 def causal_mask(pos_BT, num_slots: int):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jaxkv import ops
 from jaxkv.core import cache as cache_lib
-from jaxkv.core.attention import attend, attend_shared, merge_parts
+from jaxkv.core.attention import attend, attend_shared
 from jaxkv.core.layers import mlp, norm, rope, rope_frequencies, rope_turns
 
 
@@ -74,10 +74,10 @@ def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv
            None if bias_BNTS is None else cache_lib.at_slots(bias_BNTS, view.slot_BT[:, None]))
     out_BTNH, lse_BTN = ops.attention(q_BTNH, k_cache, v_cache, view.cache_mask_BTS, scale,
                                       bias_BNTS=bias_BNTS, kv_len=view.kv_len, own=own,
-                                      softcap=cap)
+                                      softcap=cap, lengths=view.lengths_B)
     if prefix is not None:
         shared = attend_shared(q_BTNH, *prefix[:3], scale, prefix[3], cap)
-        out_BTNH, _ = merge_parts(out_BTNH, lse_BTN, *shared)
+        out_BTNH, _ = ops.merge_parts(out_BTNH, lse_BTN, *shared)
     out_BTD = project_out(b, out_BTNH.astype(x_BTD.dtype))
     if not write:
         return residual(config, x_BTD, out_BTD, b.attn_out_norm), (k_BKTH, v_BKTH)

@@ -83,13 +83,16 @@ class View(NamedTuple):
     cache_mask_BTS: jax.Array  # which slots of the cache as it was (before the writes) it reads
     own_mask_BTT: jax.Array  # which of this call's tokens it reads
     kv_len: jax.Array | None  # no token reads a slot >= kv_len (attention skips them)
+    lengths_B: jax.Array | None = None  # [B]: the slots read are exactly [0, lengths_B)
 
 
-def linear_view(mask_BTS, slot_BT, kv_len=None) -> View:
+def linear_view(mask_BTS, slot_BT, kv_len=None, lengths_B=None) -> View:
     """A global layer's: mask_BTS over its slots; the slots this call writes hold none of its
-    tokens yet, so they are read only through the call's own keys."""
+    tokens yet, so they are read only through the call's own keys. lengths_B: the caller knows
+    the slots read to be exactly [0, lengths_B) (a decode step's)."""
     written_BS = (jnp.arange(mask_BTS.shape[2]) == slot_BT[:, :, None]).any(1)
-    return View(slot_BT, mask_BTS & ~written_BS[:, None, :], at_slots(mask_BTS, slot_BT), kv_len)
+    return View(slot_BT, mask_BTS & ~written_BS[:, None, :], at_slots(mask_BTS, slot_BT), kv_len,
+                lengths_B)
 
 
 def ring_view(ring_pos_BR, window: int, mask_BTS, pos_BT, slot_BT, kv_len=None):

@@ -171,7 +171,7 @@ def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
 
 
 def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
-                prefix=None, kv_len=None, write=True):
+                prefix=None, kv_len=None, write=True, lengths_B=None):
     """extend for arguments whose values the caller has checked (the cache's layout is checked
     here: it is static).
 
@@ -181,7 +181,8 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
     the cache a read-only operand: a branch that updates it makes XLA copy the whole cache. The
     keys and values come tied to x_BTD (+ 0 x), so a store of them waits for this call's reads of
     the cache and writes in place: free to go first (an optimization_barrier on them did not stop
-    it), XLA copied every layer for it.
+    it), XLA copied every layer for it. lengths_B (optional, [B]): the global layers' slots
+    each row reads are exactly [0, lengths_B) (a decode step's), for backends that read a range.
     """
     c = params.config
     checks.cache_layout(c, cache)
@@ -195,7 +196,7 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
                              params.replace(cross=cross, encoder=None))
     slots_BS = jnp.arange(cache.capacity)[None, :]  # a global layer: slot s holds position s
     bias = self_bias(params, pos_BT, slots_BS)
-    views = [cache_lib.linear_view(mask_BTS, slot_BT, kv_len), None]
+    views = [cache_lib.linear_view(mask_BTS, slot_BT, kv_len, lengths_B), None]
     ring_pos = cache.ring_pos
     if not write:
         checks.no_window(c, "a cached pass that does not write")
@@ -280,5 +281,6 @@ def decode_step(params: Params, cache: KVCache, token, pos):
     token_B, pos_B = checks.decode_args(params.config, cache, token, pos)
     pos_BT = pos_B[:, None]
     x_BTD, cache = cached_pass(params, cache, token_B[:, None], pos_BT, pos_BT,
-                               causal_mask(pos_BT, cache.capacity), kv_len=jnp.max(pos_B) + 1)
+                               causal_mask(pos_BT, cache.capacity), kv_len=jnp.max(pos_B) + 1,
+                               lengths_B=pos_B)
     return logits(params, x_BTD)[:, 0], cache

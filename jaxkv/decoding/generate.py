@@ -17,7 +17,8 @@ from jaxkv.core.sharding import constrain_cache, shard_params, shard_rows
 from jaxkv.core.tracecount import count_trace
 from jaxkv.decoding import rows, stops
 from jaxkv.decoding.prompts import (capacity_for, check_room, eos_ids, pad_value,
-                                    padded_encoder_inputs, prepare_prompts, token_mask)
+                                    padded_encoder_inputs, prepare_prompts, token_mask,
+                                    whole_blocks)
 from jaxkv.decoding.sampling import SamplingParams, row_keys, sampling_params
 from jaxkv.decoding.stops import StopStrings
 
@@ -129,6 +130,8 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
     max_new_tokens = checks.int_arg(max_new_tokens, "max_new_tokens")
     capacity = capacity_for(c, T, max_new_tokens, max_len)
     check_room(c, lengths_B, max_new_tokens, capacity, max_len)
+    if max_len is None:
+        capacity = whole_blocks(capacity, c.max_seq_len)
     sampling = sampling_params(B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                repetition_penalty=repetition_penalty)
     eos_E = eos_ids(c, eos_id)

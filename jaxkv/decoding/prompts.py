@@ -46,12 +46,22 @@ def pad_rows(config, prompts):
     return tokens, lengths
 
 
+SLOT_MULTIPLE = 16  # default capacities are whole blocks of the attention kernels
+
+
 def capacity_for(config, padded_len: int, new_tokens: int, max_len=None) -> int:
     """Cache slots for prompts padded to padded_len followed by new_tokens: max_len when given
     (a positive int), else padded_len + new_tokens, at most the model's max_seq_len."""
     if max_len is None:
         return min(padded_len + new_tokens, config.max_seq_len)
     return checks.int_arg(max_len, "max_len")
+
+
+def whole_blocks(slots: int, limit: int) -> int:
+    """slots rounded up to a multiple of SLOT_MULTIPLE (the block the attention kernels read a
+    cache in), unless that passes limit: then slots as they are."""
+    rounded = -(-slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
+    return rounded if rounded <= limit else slots
 
 
 def check_room(config, lengths_B, max_new_tokens: int, capacity: int, max_len=None):

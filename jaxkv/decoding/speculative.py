@@ -42,7 +42,8 @@ from jaxkv.core.tracecount import count_trace
 from jaxkv.decoding import rows
 from jaxkv.decoding.drafts import (compact, draft_chains, kept_slots, lookup_chains,
                                    lookup_hindsight, tree_pass, tree_shape, walk)
-from jaxkv.decoding.prompts import capacity_for, check_room, eos_ids, pad_value, prepare_prompts
+from jaxkv.decoding.prompts import (SLOT_MULTIPLE, capacity_for, check_room, eos_ids,
+                                    pad_value, prepare_prompts, whole_blocks)
 from jaxkv.decoding.sampling import row_keys, sample, sampling_params
 
 # The cost model (measured on 2-core CPUs; docs/design-notes.md has the figures): a pass over
@@ -350,12 +351,17 @@ def _capacity(c, dparams, lengths_B, T: int, max_new_tokens: int, max_len, M: in
     room = None if max_len is None else limit - tree
     need = capacity_for(c, T, max_new_tokens, room)
     check_room(c, lengths_B, max_new_tokens, need, room)
-    for model, config in (("the model", c), ("the draft model", dparams and dparams.config)):
-        if config and config.position == "learned" and need + tree > config.max_seq_len:
+    learned = [(model, config) for model, config in (("the model", c), ("the draft model",
+               dparams and dparams.config)) if config and config.position == "learned"]
+    for model, config in learned:
+        if need + tree > config.max_seq_len:
             raise ValueError(f"speculative_generate needs {need + tree} positions (prompt + "
                              f"max_new_tokens + the draft tree's {tree}); {model} has "
                              f"{config.max_seq_len} learned positions")
-    return need + tree
+    if max_len is not None:
+        return need + tree
+    return whole_blocks(need + tree, min([config.max_seq_len for _, config in learned],
+                                         default=need + tree + SLOT_MULTIPLE))
 
 
 def _draft_params(params, draft):

@@ -2,7 +2,8 @@
 
 The model calls these functions only; the backend behind them is chosen by the platform JAX
 computes on (cpu: jaxkv.ops.cpu; anything else: jaxkv.ops.xla, the portable reference), or
-forced with JAXKV_OPS=xla|cpu. The choice is made when a function is traced, so a process
+forced with JAXKV_OPS=xla|cpu|pallas (jaxkv.ops.pallas: JAX's Pallas kernels where one fits,
+not yet the default on GPUs: no GPU has timed it). The choice is made when a function is traced, so a process
 that changes JAXKV_OPS calls jax.clear_caches() after. Every backend keeps the contracts
 below and is tested against jaxkv.ops.xla.
 """
@@ -14,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.ops.arrays import HALF_DTYPES, HalfKV, Int8, Int8KV, half_kv, quantize_kv
+from jaxkv.ops.xla import merge_parts
 
-BACKENDS = {"xla": "jaxkv.ops.xla", "cpu": "jaxkv.ops.cpu"}
+BACKENDS = {"xla": "jaxkv.ops.xla", "cpu": "jaxkv.ops.cpu", "pallas": "jaxkv.ops.pallas"}
 BY_PLATFORM = {"cpu": "cpu"}  # platforms with a backend of their own; others run xla
 
 
@@ -42,7 +44,7 @@ def matmul(x_BTI, w, b_O=None, *, dtype=None, costly_x: bool = False):
 
 
 def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, *, bias_BNTS=None, kv_len=None,
-              own=None, softcap=None):
+              own=None, softcap=None, lengths=None):
     """Grouped-query attention: (output [B, T, N, H], log-sum-exp [B, T, N]), both float32.
 
     Keys and values are [B, K, S, H] in any float dtype, HalfKV or Int8KV (whose scales
@@ -53,10 +55,12 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, *, bias_BNTS=None,
     own (optional): a second key set (k_BKUH, v_BKUH, mask_BTU, bias_BNTU or None), e.g. the
     call's own tokens, read in the same softmax; over an Int8KV cache it is read quantized, as
     the cache will hold it. softcap (optional): scaled scores s become softcap tanh(s /
-    softcap). A query with no visible key gets output 0 and lse -inf, never NaN.
+    softcap). lengths (optional, [B]): the cache slots row b's queries read are exactly [0,
+    lengths[b]) (a decode step's), which a backend may read instead of the mask. A query with
+    no visible key gets output 0 and lse -inf, never NaN.
     """
     return backend().attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
-                               softcap)
+                               softcap, lengths)
 
 
 def kv_layer(x_XH, dtype):
@@ -99,4 +103,5 @@ def prefill_chunk(w_qkv, rows: int, tokens: int) -> int:
 
 
 __all__ = ["HALF_DTYPES", "HalfKV", "Int8", "Int8KV", "attention", "backend", "backend_name",
-           "empty_kv_layer", "kv_layer", "matmul", "materialized", "placed", "prefill_chunk"]
+           "empty_kv_layer", "kv_layer", "matmul", "materialized", "merge_parts", "placed",
+           "prefill_chunk"]

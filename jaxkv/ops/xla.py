@@ -66,7 +66,7 @@ def prefill_chunk(w_qkv, rows: int, tokens: int) -> int:
 # ---- attention ------------------------------------------------------------------------------
 
 def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None,
-              own=None, softcap=None):
+              own=None, softcap=None, lengths=None):
     """Grouped-query attention: output [B, T, N, H] and its log-sum-exp [B, T, N], float32.
     (The contract every backend keeps: see jaxkv.ops.attention.)
 
@@ -210,3 +210,16 @@ def _online_softmax(q_BKGTH, k_BKSH, v_BKSH, mask_BTS, softcap, state):
     acc_BKGTH = acc_BKGTH * old_BKGT[..., None] + _value_sum(
         weights_BKGTS, v_BKSH, functools.partial(jnp.einsum, "BKGTS,BKSH->BKGTH"))
     return new_max_BKGT, total_BKGT * old_BKGT + weights_BKGTS.sum(-1), acc_BKGTH
+
+
+def merge_parts(out1_BTNH, lse1_BTN, out2_BTNH, lse2_BTN):
+    """Softmax attention over the union of two disjoint key sets, from each set's part:
+    (output, log-sum-exp)."""
+    top_BTN = jnp.maximum(lse1_BTN, lse2_BTN)
+    top_BTN = jnp.where(jnp.isfinite(top_BTN), top_BTN, 0.0)
+    w1_BTN, w2_BTN = jnp.exp(lse1_BTN - top_BTN), jnp.exp(lse2_BTN - top_BTN)
+    total_BTN = w1_BTN + w2_BTN
+    safe_BTN = jnp.maximum(total_BTN, jnp.finfo(jnp.float32).tiny)
+    out_BTNH = (out1_BTNH * (w1_BTN / safe_BTN)[..., None] +
+                out2_BTNH * (w2_BTN / safe_BTN)[..., None])
+    return out_BTNH, top_BTN + jnp.log(total_BTN)

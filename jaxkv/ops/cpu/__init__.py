@@ -78,7 +78,7 @@ def _row_product(x_I, w: Int8):
 
 
 def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None,
-              own=None, softcap=None):
+              own=None, softcap=None, lengths=None):
     """jaxkv.ops.attention: queries with own keys and no bias (a decode step, a tree pass, a
     prefill chunk) over a float32, bfloat16 or Int8KV cache go to the attention kernel, the rest
     to XLA's (which also gives the kernel's derivatives)."""
