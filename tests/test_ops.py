@@ -29,8 +29,8 @@ def test_the_platform_chooses_and_jaxkv_ops_forces(monkeypatch):
 
 def test_an_unknown_backend_is_named(monkeypatch):
     monkeypatch.setenv("JAXKV_OPS", "cuda")
-    with pytest.raises(ValueError, match=r"JAXKV_OPS must be one of xla, cpu \(or unset\), got "
-                                         r"'cuda'"):
+    with pytest.raises(ValueError, match=r"JAXKV_OPS must be one of xla, cpu, pallas "
+                                         r"\(or unset\), got 'cuda'"):
         ops.matmul(jnp.ones((1, 1, 4)), jnp.ones((3, 4)))
 
 

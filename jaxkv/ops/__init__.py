@@ -3,9 +3,9 @@
 The model calls these functions only; the backend behind them is chosen by the platform JAX
 computes on (cpu: jaxkv.ops.cpu; anything else: jaxkv.ops.xla, the portable reference), or
 forced with JAXKV_OPS=xla|cpu|pallas (jaxkv.ops.pallas: JAX's Pallas kernels where one fits,
-not yet the default on GPUs: no GPU has timed it). The choice is made when a function is traced, so a process
-that changes JAXKV_OPS calls jax.clear_caches() after. Every backend keeps the contracts
-below and is tested against jaxkv.ops.xla.
+not yet the default on GPUs: no GPU has timed it). The choice is made when a function is
+traced, so a process that changes JAXKV_OPS calls jax.clear_caches() after. Every backend keeps
+the contracts below and is tested against jaxkv.ops.xla.
 """
 
 import importlib
