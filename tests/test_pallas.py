@@ -9,70 +9,118 @@ import pytest
 
 import jaxkv
 from jaxkv.ops import pallas, xla
+from jaxkv.ops.arrays import quantize_kv
+from jaxkv.ops.pallas import decode
 from tests.conftest import CONFIGS, TINY, random_tokens
 
 # A GQA model with sliding-window layers and Gemma 3's parts (q/k norms, a local RoPE base,
-# post-norms, scaled embeddings): its global layers take the kernel, its rings XLA's attention.
+# post-norms, scaled embeddings): its global layer takes JAX's kernel, its rings jaxkv's.
 GEMMA3_LIKE = jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=96, sliding_window=16,
                                  window_layers=(0, 1), qk_norm=True, local_rope_theta=10000.0,
                                  post_norms=True, scale_embeddings=True, activation="gelu_tanh",
                                  rope_theta=1e6, **TINY)
 
+# Soft-capped scores (Gemma 2's): every layer takes jaxkv's kernel.
+CAPPED = jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=96, attn_softcap=2.0, **TINY)
+MODELS = {"gemma3_like": GEMMA3_LIKE, "capped": CAPPED, **CONFIGS}
 
-@pytest.fixture
-def pallas_backend(monkeypatch):
-    """JAXKV_OPS=pallas, its kernels interpreted on a CPU (compiled on a GPU)."""
+
+@pytest.fixture(params=["gpu", "tpu"])
+def pallas_backend(request, monkeypatch):
+    """JAXKV_OPS=pallas, its GPU or TPU kernels interpreted on a CPU (on a GPU or TPU: its own,
+    compiled). Yields the kernels' platform."""
     monkeypatch.setenv("JAXKV_OPS", "pallas")
     if jax.default_backend() == "cpu":
-        monkeypatch.setenv("JAXKV_PALLAS_INTERPRET", "1")
+        monkeypatch.setenv("JAXKV_PALLAS_INTERPRET", request.param)
     jax.clear_caches()
-    yield
+    yield pallas.target()[0]
     monkeypatch.undo()
     jax.clear_caches()
 
 
-def kernel_calls(params, capacity, dtype=None) -> int:
+def on(target: str) -> bool:
+    """Whether the platform compiles the target's kernels (else they are interpreted)."""
+    return jax.default_backend() == target or (target == "gpu" and jax.default_backend() == "cuda")
+
+
+def kernel_calls(params, capacity, dtype=None) -> tuple[int, int]:
     """How many of a decode step's attentions call JAX's decode kernel (jitted as `gqa`, its
-    Pallas kernel inside)."""
+    Pallas kernel inside) and how many jaxkv's."""
     cache = jaxkv.init_cache(params, 2, capacity, dtype)
     jaxpr = str(jax.make_jaxpr(jaxkv.decode_step)(params, cache, jnp.array([1, 2]),
                                                   jnp.array([3, 9])))
-    assert ("pallas_call" in jaxpr) == ("jit[name=gqa" in jaxpr)
-    return jaxpr.count("jit[name=gqa")
+    theirs, ours = jaxpr.count("jit[name=gqa"), jaxpr.count("name=jaxkv_decode_attention\n")
+    assert ("pallas_call" in jaxpr) == (theirs + ours > 0)
+    return theirs, ours
 
 
 def test_a_decode_step_takes_the_kernel_where_it_fits(pallas_backend):
+    """On a GPU, JAX's kernel takes float caches' global layers, jaxkv's the rest; on a TPU,
+    jaxkv's takes them all."""
+    jaxs = pallas_backend == "gpu"
     params = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(0))
-    assert kernel_calls(params, 32) == 3  # one per layer
-    assert kernel_calls(params, 32, jnp.bfloat16) == 3
-    assert kernel_calls(params, 32, jnp.int8) == 0  # no int8 kernel yet
-    assert kernel_calls(params, 20) == 0  # not whole blocks of 16 slots
+    assert kernel_calls(params, 32) == ((3, 0) if jaxs else (0, 3))  # one per layer
+    assert kernel_calls(params, 32, jnp.bfloat16) == ((3, 0) if jaxs else (0, 3))
+    assert kernel_calls(params, 32, jnp.int8) == (0, 3)
+    assert kernel_calls(params, 20) == (0, 0)  # not whole blocks of 16 slots
     window = jaxkv.init_params(GEMMA3_LIKE, jax.random.key(0))
-    assert kernel_calls(window, 32) == 1  # layer 2: the global one
+    assert kernel_calls(window, 32) == ((1, 2) if jaxs else (0, 3))  # layer 2 is global
+    capped = jaxkv.init_params(CAPPED, jax.random.key(0))
+    assert kernel_calls(capped, 32) == (0, 3)
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
-def test_the_cache_part_equals_the_reference(pallas_backend, dtype, tol):
-    """One query per row over slots [0, lengths): rows that read 0, a part of a block, and
-    several split parts; a row that reads none gets output 0 and lse -inf."""
+def test_jaxs_kernel_equals_the_reference(monkeypatch, dtype, tol):
+    """JAX's GPU kernel, one query per row over slots [0, lengths): rows that read 0, a part of
+    a block, and several split parts; a row that reads none gets output 0 and lse -inf."""
+    monkeypatch.setenv("JAXKV_PALLAS_INTERPRET", "gpu")
     B, N, K, S, H = 3, 6, 2, 64, 16
     keys = jax.random.split(jax.random.key(1), 3)
     q_BTNH = jax.random.normal(keys[0], (B, 1, N, H))
     k_BKSH, v_BKSH = (jax.random.normal(k, (B, K, S, H)).astype(dtype) for k in keys[1:])
     lengths_B = jnp.array([0, 7, 50])
     mask_BTS = (jnp.arange(S) < lengths_B[:, None])[:, None]
-    out, lse = pallas._decode_cache(q_BTNH.astype(dtype), k_BKSH, v_BKSH, 0.25, lengths_B, 2, 16)
+    out, lse = pallas._decode_cache(q_BTNH.astype(dtype), k_BKSH, v_BKSH, None, 0.25, None, None,
+                                    lengths_B, 2, 16)
     want, want_lse = xla.attention(q_BTNH.astype(dtype), k_BKSH, v_BKSH, mask_BTS, 0.25)
     np.testing.assert_allclose(out, want, atol=tol, rtol=tol)
     np.testing.assert_allclose(lse[1:], want_lse[1:], atol=tol, rtol=tol)
     assert np.isneginf(lse[0]).all() and (out[0] == 0).all()
 
 
-@pytest.mark.parametrize("name, kv_dtype", [("llama_gqa", jnp.float32),
-                                            ("llama_gqa", jnp.bfloat16), ("llama_mqa", jnp.int8),
-                                            ("gemma3_like", jnp.float32)])
+@pytest.mark.parametrize("target", ["gpu", "tpu"])
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_jaxkvs_kernel_equals_the_reference(target, int8, softcap):
+    """jaxkv's kernel over masked slots below a per-row bound, float or int8 caches, with and
+    without a soft-cap: rows that read nothing, part of a block and several parts."""
+    B, N, K, S, H = 3, 6, 2, 64, 16
+    keys = jax.random.split(jax.random.key(1), 4)
+    q_BTNH = jax.random.normal(keys[0], (B, 1, N, H))
+    k_BKSH, v_BKSH = (jax.random.normal(k, (B, K, S, H)) for k in keys[1:3])
+    if int8:
+        k_BKSH, v_BKSH = quantize_kv(k_BKSH), quantize_kv(v_BKSH)
+    bound_B = jnp.array([0, 7, 50])
+    mask_BS = jax.random.bernoulli(keys[3], 0.7, (B, S))
+    out_BKGH, lse_BKG = decode.attention(q_BTNH.reshape(B, K, N // K, H), k_BKSH, v_BKSH, 0.25,
+                                         bound_B, mask_BS, softcap, target=target, block_k=16,
+                                         k_splits=2, interpret=not on(target))
+    seen_BTS = (mask_BS & (jnp.arange(S) < bound_B[:, None]))[:, None]
+    want, want_lse = xla.attention(q_BTNH, k_BKSH, v_BKSH, seen_BTS, 0.25, softcap=softcap)
+    np.testing.assert_allclose(out_BKGH.reshape(B, 1, N, H), want, atol=1e-6, rtol=1e-6)
+    lse_BTN = lse_BKG.reshape(B, 1, N)
+    np.testing.assert_allclose(lse_BTN[1:], want_lse[1:], atol=1e-6, rtol=1e-6)
+    assert np.isneginf(lse_BTN[0]).all() and (out_BKGH[0] == 0).all()
+
+
+@pytest.mark.parametrize("pallas_backend, name, kv_dtype", [
+    ("gpu", "llama_gqa", jnp.float32), ("gpu", "llama_gqa", jnp.bfloat16),
+    ("gpu", "llama_mqa", jnp.int8), ("gpu", "gemma3_like", jnp.float32),
+    ("gpu", "gemma3_like", jnp.int8), ("gpu", "capped", jnp.float32),
+    ("tpu", "llama_gqa", jnp.bfloat16), ("tpu", "gemma3_like", jnp.int8),
+    ("tpu", "capped", jnp.float32)], indirect=["pallas_backend"])
 def test_models_decode_as_the_reference(pallas_backend, monkeypatch, name, kv_dtype):
-    config = GEMMA3_LIKE if name == "gemma3_like" else CONFIGS[name]
+    config = MODELS[name]
     params = jaxkv.init_params(config, jax.random.key(2))
     prompts = [random_tokens(3, (20,)).tolist(), random_tokens(4, (5,)).tolist()]
     ours = jaxkv.generate(params, prompts, 24, kv_dtype=kv_dtype)

@@ -1,0 +1,117 @@
+"""The Pallas backend: JAX's own Pallas kernels where one fits, jaxkv.ops.xla elsewhere.
+
+JAXKV_OPS=pallas chooses it. On an NVIDIA GPU its kernels compile with Triton, on a TPU with
+Mosaic; on a CPU they run in Pallas's interpret mode, the GPU ones with
+JAXKV_PALLAS_INTERPRET=1 (or gpu), the TPU ones with =tpu (how the suite checks both against
+the XLA reference), and are refused without it.
+
+What takes a kernel today is a decode step's attention (one query per row, no bias) over a
+cache of whole blocks of 16 slots: its cache part (the step's own key is XLA's, the two merged
+by log-sum-exp) goes to
+
+- on a GPU, for a global layer's float cache read over [0, lengths) (a decode step's) without
+  soft-cap: jax.experimental.pallas.ops.gpu.decode_attention (grouped-query without repeating
+  K/V, only the filled blocks read, split over the sequence);
+- for the rest, where JAX has no kernel that fits (sliding-window rings: a mask of slots, not a
+  prefix; int8 caches read as int8 with their scales; soft-capped scores; on a TPU, all of
+  them): jaxkv's own, jaxkv.ops.pallas.decode, in its GPU or TPU form.
+
+Prefill chunks, tree passes and the products are XLA's for now (docs/design-notes.md says which
+kernel would take each).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import decode_attention
+
+from jaxkv.ops import xla
+from jaxkv.ops.pallas import decode
+from jaxkv.ops.xla import materialized, merge_parts, placed, prefill_chunk  # noqa: F401
+
+INTERPRET = {"1": "gpu", "gpu": "gpu", "tpu": "tpu"}  # JAXKV_PALLAS_INTERPRET -> kernels
+HALF_KV_BITS = False  # 16-bit float caches are arrays of their dtype, as the kernels read them
+matmul = xla.matmul
+
+
+def target() -> tuple[str, bool]:
+    """(the kernels' platform, "gpu" or "tpu"; whether they run in Pallas's interpret mode): a
+    GPU's or TPU's own, compiled; on a CPU, JAXKV_PALLAS_INTERPRET=1 (or gpu) interprets the GPU
+    kernels, =tpu the TPU ones; a CPU without it is an error naming the variable."""
+    platform = jax.default_backend()
+    if platform != "cpu":
+        return ("tpu" if platform == "tpu" else "gpu"), False
+    chosen = os.environ.get("JAXKV_PALLAS_INTERPRET", "")
+    if chosen not in INTERPRET:
+        raise ValueError(f"JAXKV_OPS=pallas on a CPU runs its kernels in Pallas's interpret mode: "
+                         f"set JAXKV_PALLAS_INTERPRET=1 (or gpu: the GPU kernels) or tpu (the TPU "
+                         f"ones), got {chosen!r} (or choose JAXKV_OPS=xla or cpu)")
+    return INTERPRET[chosen], True
+
+
+def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None,
+              own=None, softcap=None, lengths=None):
+    """jaxkv.ops.attention: a decode step's cache part goes to a kernel (see the module's
+    docstring), its own key to XLA, the two merged by log-sum-exp; the rest to the XLA
+    reference."""
+    split = _split(k_BKSH.shape[2])
+    if (q_BTNH.shape[1] != 1 or bias_BNTS is not None or (own is not None and own[3] is not None)
+            or split is None):
+        return xla.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
+                             softcap)
+    platform, _ = target()
+    plain = lengths is not None and softcap is None and isinstance(k_BKSH, jax.Array)
+    cache_part = _decode_cache if plain and platform == "gpu" else _decode_masked
+    out_BTNH, lse_BTN = cache_part(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, softcap,
+                                   lengths, *split)
+    if own is None:
+        return out_BTNH, lse_BTN
+    own_out_BTNH, own_lse_BTN = xla.attention(q_BTNH, *xla.own_as_cache(k_BKSH, own)[:3], scale,
+                                              softcap=softcap)
+    return merge_parts(out_BTNH, lse_BTN, own_out_BTNH, own_lse_BTN)
+
+
+def _split(S: int):
+    """(k_splits, block_k) for a cache of S slots, as the decode kernel takes them (S split into
+    parts of at least 16 slots, each a whole number of blocks of at least 16), or None."""
+    for k_splits in (16, 8, 4, 2, 1):
+        part = S // k_splits
+        if S % k_splits == 0 and part >= 16:
+            block = next((b for b in (128, 64, 32, 16) if part % b == 0), None)
+            if block is not None:
+                return k_splits, block
+    return None
+
+
+def _decode_cache(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softcap, lengths_B,
+                  k_splits: int, block_k: int):
+    """JAX's kernel: one query per row over float cache slots [0, lengths_B) (mask_BTS, kv_len
+    and softcap are not read: the caller checked that lengths_B says it all and there is no
+    cap): (out [B, 1, N, H], lse [B, 1, N]), float32; lse is -inf for a row that reads none."""
+    dtype = k_BKSH.dtype
+    out_BNH, (total_BN, max_BN) = decode_attention.gqa(
+        q_BTNH[:, 0].astype(dtype), jnp.swapaxes(k_BKSH, 1, 2), jnp.swapaxes(v_BKSH, 1, 2),
+        kv_seq_len=lengths_B, sm_scale=scale, block_k=block_k, k_splits=k_splits,
+        interpret=target()[1], return_residuals=True)
+    lse_BN = jnp.where(total_BN > 0, max_BN + jnp.log(jnp.maximum(total_BN, 1e-30)), -jnp.inf)
+    return out_BNH.astype(jnp.float32)[:, None], lse_BN[:, None]
+
+
+def _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softcap, lengths_B,
+                   k_splits: int, block_k: int):
+    """jaxkv's kernels: one query per row over the cache slots mask_BTS allows (below lengths_B,
+    which then replaces the mask, else below kv_len), any cache form and soft-cap: (out [B, 1,
+    N, H], lse [B, 1, N]), float32."""
+    B, _, N, H = q_BTNH.shape
+    K, S = k_BKSH.shape[1:3]
+    if lengths_B is None:
+        bound_B = jnp.full((B,), S if kv_len is None else kv_len, jnp.int32)
+        mask_BS = mask_BTS[:, 0]
+    else:
+        bound_B, mask_BS = lengths_B, None
+    platform, interpret = target()
+    out_BKGH, lse_BKG = decode.attention(
+        q_BTNH.reshape(B, K, N // K, H), k_BKSH, v_BKSH, scale, bound_B, mask_BS, softcap,
+        target=platform, block_k=block_k, k_splits=k_splits, interpret=interpret)
+    return out_BKGH.reshape(B, 1, N, H), lse_BKG.reshape(B, 1, N)

@@ -1,0 +1,201 @@
+"""jaxkv's own decode-attention kernels, for the decode steps JAX's kernels do not take.
+
+jax.experimental.pallas.ops.gpu.decode_attention reads a per-row prefix [0, length) of float
+keys; JAX's TPU paged_attention reads keys as bfloat16 and returns no log-sum-exp (which merging
+a step's own key needs). A decode step also reads sliding-window rings (any subset of slots,
+given by a mask), int8 caches (an Int8KV: int8 numbers and one scale per token and kv head, read
+as such) and soft-capped scores (Gemma 2). These kernels take all of those: one query per row and
+query head, its kv head's slots read in blocks up to a per-row bound (no block past it is
+read), masked per slot, an online softmax in float32. Two forms of the same block update:
+
+- gpu: Triton's; programs over (row, kv head, part of the sequence), each looping over its
+  part's blocks, the parts merged by log-sum-exp after.
+- tpu: Mosaic's; a grid over (row, kv head, block), the blocks visited in order with the
+  softmax state in VMEM scratch, the bound prefetched so that blocks past it are not copied in.
+
+Both run in Pallas's interpret mode on a CPU (the TPU form under pltpu's TPU interpreter).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxkv.ops.arrays import Int8KV
+
+MIN_ROWS = {"gpu": 16, "tpu": 8}  # query rows per program: Triton's products take >= 16
+
+
+def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softcap=None, *,
+              target: str, block_k: int, k_splits: int = 1, interpret: bool = False):
+    """Softmax attention of one query per (row, query head) over the cache slots s < bound_B[b]
+    with mask_BS[b, s] (all of them without a mask): (out [B, K, G, H], lse [B, K, G]), float32;
+    a query that reads no slot gets 0 and -inf. Keys and values: [B, K, S, H] float arrays or
+    Int8KV. target: "gpu" (S = k_splits parts of whole blocks of block_k slots) or "tpu" (S
+    whole blocks)."""
+    G = q_BKGH.shape[2]
+    rows = max(MIN_ROWS[target], 1 << (G - 1).bit_length())
+    quantized = isinstance(k_BKSH, Int8KV)
+    # The products' operands share a dtype: the cache's, or q's where int8 numbers are read.
+    dtype = q_BKGH.dtype if quantized else k_BKSH.dtype
+    q_BKRH = jnp.pad(q_BKGH.astype(dtype), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
+    cache = [k_BKSH.q, k_BKSH.scale, v_BKSH.q, v_BKSH.scale] if quantized else [k_BKSH, v_BKSH]
+    cache += [] if mask_BS is None else [mask_BS.astype(jnp.int8)]
+    block = functools.partial(_block, scale=scale, softcap=softcap, quantized=quantized,
+                              masked=mask_BS is not None)
+    run = _on_gpu if target == "gpu" else _on_tpu
+    out_BKRH, lse_BKR = run(block, bound_B.astype(jnp.int32), q_BKRH, cache, block_k=block_k,
+                            k_splits=k_splits, interpret=interpret)
+    return out_BKRH[:, :, :G], lse_BKR[:, :, :G]
+
+
+def _block(state, q_RH, refs, at, first_slot, bound, *, scale, softcap, quantized, masked):
+    """The softmax state (max [R], sum of weights [R], weighted sum of values [R, H]) after the
+    block of cache slots `at` (a slice of refs: keys, values, their scales, the mask), whose
+    first slot is first_slot."""
+    max_R, total_R, acc_RH = state
+    k_ref, k_scale, v_ref, v_scale = refs[:4] if quantized else (refs[0], None, refs[1], None)
+    k_CH = k_ref[at, :].astype(q_RH.dtype)
+    scores_RC = _product(q_RH, k_CH, 1) * scale
+    if quantized:
+        scores_RC = scores_RC * k_scale[at][None, :]
+    if softcap is not None:
+        scores_RC = softcap * jnp.tanh(scores_RC / softcap)
+    seen_C = first_slot + jnp.arange(k_CH.shape[0]) < bound
+    if masked:
+        seen_C = seen_C & (refs[-1][at] != 0)
+    scores_RC = jnp.where(seen_C[None, :], scores_RC, -jnp.inf)
+    new_max_R = jnp.maximum(max_R, scores_RC.max(axis=1))
+    base_R = jnp.where(new_max_R == -jnp.inf, 0.0, new_max_R)
+    weights_RC = jnp.exp(scores_RC - base_R[:, None])
+    old_R = jnp.exp(max_R - base_R)
+    total_R = total_R * old_R + weights_RC.sum(axis=1)
+    if quantized:
+        weights_RC = weights_RC * v_scale[at][None, :]
+    v_CH = v_ref[at, :].astype(q_RH.dtype)
+    acc_RH = acc_RH * old_R[:, None] + _product(weights_RC.astype(v_CH.dtype), v_CH, 0)
+    return new_max_R, total_R, acc_RH
+
+
+def _product(a_RX, b_YX, contracted: int):
+    """a @ b.T (contracted=1) or a @ b (0), accumulated in float32; float32 operands exactly
+    (no TF32)."""
+    precision = jax.lax.Precision.HIGHEST if a_RX.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a_RX, b_YX, (((1,), (contracted,)), ((), ())),
+                               precision=precision, preferred_element_type=jnp.float32)
+
+
+def _empty_state(rows: int, H: int):
+    return (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, H), jnp.float32))
+
+
+def _cache_specs(cache, length: int, index):
+    """BlockSpecs of `length` slots of the cache arrays ([B, K, S, H] numbers, [B, K, S] scales,
+    [B, S] mask) at the block index(b, k, *rest) says."""
+    def spec(x):
+        if x.ndim == 2:
+            return pl.BlockSpec((None, length), lambda b, k, *r: (b, index(b, k, *r)))
+        tail = x.shape[3:]
+        return pl.BlockSpec((None, None, length, *tail),
+                            lambda b, k, *r: (b, k, index(b, k, *r), *(0,) * len(tail)))
+    return [spec(x) for x in cache]
+
+
+def _on_gpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret):
+    """Programs over (row, kv head, part); each loops over its part's blocks below the bound."""
+    B, K, rows, H = q_BKRH.shape
+    part = cache[0].shape[2] // k_splits
+
+    def kernel(bound_ref, q_ref, *refs):
+        cache_refs, (out_ref, max_ref, total_ref) = refs[:-3], refs[-3:]
+        start = pl.program_id(2) * part
+        bound = bound_ref[()]
+        step = lambda i, state: block(state, q_ref[...], cache_refs,
+                                      pl.ds(i * block_k, block_k), start + i * block_k, bound)
+        n_blocks = jnp.clip(pl.cdiv(bound - start, block_k), 0, part // block_k)
+        out_ref[...], max_ref[...], total_ref[...] = _reorder(jax.lax.fori_loop(
+            0, n_blocks, step, _empty_state(rows, H)))
+
+    per_part = lambda *shape: pl.BlockSpec((None, None, None, *shape),
+                                           lambda b, k, j: (b, k, j) + (0,) * len(shape))
+    out_BKJRH, max_BKJR, total_BKJR = pl.pallas_call(
+        kernel, grid=(B, K, k_splits),
+        in_specs=[pl.BlockSpec((None,), lambda b, k, j: (b,)),
+                  pl.BlockSpec((None, None, rows, H), lambda b, k, j: (b, k, 0, 0)),
+                  *_cache_specs(cache, part, lambda b, k, j: j)],
+        out_specs=[per_part(rows, H), per_part(rows), per_part(rows)],
+        out_shape=[jax.ShapeDtypeStruct((B, K, k_splits, rows, H), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, k_splits, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, k_splits, rows), jnp.float32)],
+        interpret=interpret, name="jaxkv_decode_attention",
+    )(bound_B, q_BKRH, *cache)
+    return _merge_parts(out_BKJRH, max_BKJR, total_BKJR)
+
+
+def _on_tpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret):
+    """A grid over (row, kv head, block), blocks in order; a block past the row's bound maps to
+    the last one read (so it is not copied in again) and is skipped."""
+    B, K, rows, H = q_BKRH.shape
+    n_blocks = cache[0].shape[2] // block_k
+    last = lambda b, bound_ref: jnp.maximum(pl.cdiv(bound_ref[b], block_k) - 1, 0)
+    at = lambda b, k, i, bound_ref: jnp.minimum(i, last(b, bound_ref))
+
+    def kernel(bound_ref, q_ref, *refs):
+        cache_refs, (out_ref, lse_ref), state = refs[:-5], refs[-5:-3], refs[-3:]
+        b, i = pl.program_id(0), pl.program_id(2)
+
+        @pl.when(i == 0)
+        def _():
+            for ref, empty in zip(state, _empty_state(rows, H)):
+                ref[...] = empty
+
+        @pl.when(i * block_k < bound_ref[b])
+        def _():
+            new = block(tuple(ref[...] for ref in state), q_ref[...], cache_refs,
+                        pl.ds(0, block_k), i * block_k, bound_ref[b])
+            for ref, value in zip(state, new):
+                ref[...] = value
+
+        @pl.when(i == n_blocks - 1)
+        def _():
+            max_R, total_R, acc_RH = (ref[...] for ref in state)
+            out_ref[...] = acc_RH / jnp.maximum(total_R, jnp.finfo(jnp.float32).tiny)[:, None]
+            lse_ref[...] = jnp.where(total_R > 0, max_R + jnp.log(total_R), -jnp.inf)
+
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(B, K, n_blocks),
+        in_specs=[pl.BlockSpec((None, None, rows, H), lambda b, k, i, bound: (b, k, 0, 0)),
+                  *_cache_specs(cache, block_k, at)],
+        out_specs=[pl.BlockSpec((None, None, rows, H), lambda b, k, i, bound: (b, k, 0, 0)),
+                   pl.BlockSpec((None, None, rows), lambda b, k, i, bound: (b, k, 0))],
+        scratch_shapes=[pltpu.VMEM((rows,), jnp.float32), pltpu.VMEM((rows,), jnp.float32),
+                        pltpu.VMEM((rows, H), jnp.float32)])
+    return pl.pallas_call(
+        kernel, grid_spec=grid,
+        out_shape=[jax.ShapeDtypeStruct((B, K, rows, H), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, rows), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="jaxkv_decode_attention",
+    )(bound_B, q_BKRH, *cache)
+
+
+def _reorder(state):
+    """(max, total, acc) as the GPU kernel's outputs are ordered: (acc, max, total)."""
+    return state[2], state[0], state[1]
+
+
+def _merge_parts(out_BKJRH, max_BKJR, total_BKJR):
+    """The parts' unnormalized outputs, maxima and sums of weights -> (out, lse) of the whole."""
+    top_BKR = jnp.max(max_BKJR, axis=2)
+    top_BKR = jnp.where(top_BKR == -jnp.inf, 0.0, top_BKR)
+    w_BKJR = jnp.exp(max_BKJR - top_BKR[:, :, None])
+    total_BKR = jnp.sum(total_BKJR * w_BKJR, axis=2)
+    out_BKRH = jnp.sum(out_BKJRH * w_BKJR[..., None], axis=2)
+    out_BKRH = out_BKRH / jnp.maximum(total_BKR, jnp.finfo(jnp.float32).tiny)[..., None]
+    lse_BKR = jnp.where(total_BKR > 0, top_BKR + jnp.log(total_BKR), -jnp.inf)
+    return out_BKRH, lse_BKR
