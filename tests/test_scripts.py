@@ -65,6 +65,22 @@ def test_script_runs(script, tmp_path):
         assert result["rows"][0]["speedup_vs_float32_paired"] == 1.0
 
 
+def test_bench_gpu_runs_at_tiny_sizes(tmp_path):
+    """scripts/bench_gpu.py, unchanged but for --tiny: every engine times, transformers' tokens
+    equal jaxkv's on the same weights, and the tables are written."""
+    out = str(tmp_path / "bench_gpu")
+    run_script("bench_gpu", "--tiny", "--batches", "2", "--repeats", "1", "--out", out)
+    with open(out + ".json") as f:
+        result = json.load(f)
+    rows = {r["engine"]: r for r in result["decode"]}
+    assert set(rows) == {"jaxkv", "jaxkv_pallas", "jaxkv_int8", "hf_static"}  # eager: batch 1
+    assert all(isinstance(r["ms_per_token"], float) for r in rows.values()), rows  # (tiny: noise)
+    assert rows["hf_static"]["agree"] == 1.0 and rows["jaxkv_pallas"]["agree"] == 1.0
+    assert result["prefill"][0]["jaxkv_ms"] > 0 and result["prefill"][0]["hf_sdpa_ms"] > 0
+    with open(out + ".md") as f:
+        assert "| tiny | 2 | hf_static |" in f.read()
+
+
 def test_prefill_memory_of_one_engine_runs():
     """bench_prefill's memory measurement (its own process per engine and length)."""
     result = json.loads(run_script("bench_prefill", "--memory-of", "jaxkv", "16")
