@@ -106,6 +106,23 @@ def test_row_is_batch_invariant(llama):
         assert batch[b].tolist() == alone[0].tolist()
 
 
+def test_generate_is_bitwise_reproducible(llama):
+    """Two runs, each compiled afresh, give the same tokens (greedy and sampled) and the same
+    logits bit for bit: what a GPU's reductions and scatters could break (issue 49)."""
+    def run():
+        jax.clear_caches()
+        greedy, _ = jaxkv.generate(llama, PROMPTS, 12)
+        sampled, _ = jaxkv.generate(llama, PROMPTS, 12, temperature=1.0, key=jax.random.key(3))
+        cache = jaxkv.init_cache(llama, 4, 32)
+        tokens_BT = np.array([p + [0] * (7 - len(p)) for p in PROMPTS])
+        logits_BV, cache = jaxkv.prefill(llama, cache, tokens_BT, [len(p) for p in PROMPTS])
+        step_BV, _ = jaxkv.decode_step(llama, cache, greedy[:, 0], jnp.array([3, 7, 1, 5]))
+        return [np.asarray(x) for x in (greedy, sampled, logits_BV, step_BV)]
+
+    for first, second in zip(run(), run()):
+        assert first.tobytes() == second.tobytes()
+
+
 def test_array_prompts_with_lengths(llama):
     tokens_BT = np.zeros((2, 7), np.int32)
     tokens_BT[0, :3], tokens_BT[1] = PROMPTS[0], PROMPTS[1]
