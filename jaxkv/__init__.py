@@ -21,6 +21,7 @@ from jaxkv.core.tracecount import TRACE_COUNTS as trace_counts
 from jaxkv.decoding.batching import generate_many, iter_many, iter_tokens
 from jaxkv.decoding.beam import beam_search
 from jaxkv.decoding.generate import generate
+from jaxkv.decoding.likelihood import loglikelihood_many, loglikelihood_rolling
 from jaxkv.decoding.multidecode import (Forest, Prefix, accept, accept_branch, accept_node,
                                         build_forest, decode_branches, forest_logits,
                                         forest_pass, generate_branches, make_prefix,
@@ -50,7 +51,8 @@ __all__ = [
     "chat_template", "decode_branches", "decode_step", "default_model", "default_whisper",
     "encode", "extend", "forest_logits", "forest_pass", "forward", "generate",
     "chat", "generate_branches", "generate_many", "init_cache", "init_params", "iter_many",
-    "iter_tokens", "jsonl", "load", "load_audio", "load_tokenizer", "log_mel", "make_prefix",
+    "iter_tokens", "jsonl", "load", "load_audio", "load_tokenizer", "log_mel",
+    "loglikelihood_many", "loglikelihood_rolling", "make_prefix",
     "prefill", "quantize", "sample", "sampling_params", "save", "score_continuations",
     "set_value_checks", "sharding", "speculative_generate", "stop_strings", "stops", "stream",
     "trace_counts", "train", "transcribe",
