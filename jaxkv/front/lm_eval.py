@@ -1,0 +1,159 @@
+"""jaxkv as an lm-evaluation-harness model (the optional extra `jaxkv[eval]`).
+
+    import lm_eval, jaxkv
+    lm_eval.simple_evaluate(model=jaxkv.lm_eval.JaxkvLM("path/to/model"), tasks=["hellaswag"])
+    lm_eval --model jaxkv --model_args path=path/to/model --tasks hellaswag
+    jaxkv eval --model path/to/model --tasks hellaswag
+
+The harness tokenizes (its TemplateLM: a context's trailing spaces go to the continuation, an
+empty context becomes the end-of-text token) and calls the three requests below, which jaxkv
+answers with loglikelihood_many (contexts shared by their choices), loglikelihood_rolling
+(documents in windows of max_length positions) and generate_many (greedy or sampled, ending at
+the task's stop strings). Truncation follows the harness's Hugging Face model: contexts keep
+their last tokens.
+"""
+
+import json
+import os
+
+import jax
+import lm_eval
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import handle_non_serializable, make_table
+
+from jaxkv.decoding.batching import generate_many
+from jaxkv.decoding.likelihood import loglikelihood_many, loglikelihood_rolling
+from jaxkv.formats.load import load
+from jaxkv.formats.tokenizer import load_tokenizer
+
+
+@register_model("jaxkv")
+class JaxkvLM(TemplateLM):
+    """A model for the harness: path (or pretrained=, the harness's usual argument) is what
+    jaxkv.load reads; dtype (float32, bfloat16) and int8 as load's; batch_size: contexts scored
+    or prompts generated at once; max_length: positions one request may use (default the
+    model's max_seq_len); max_gen_toks: new tokens when a task sets none; kv_dtype: the scoring
+    caches' (init_cache's dtype); seed: the key of sampled generations."""
+
+    def __init__(self, path=None, pretrained=None, dtype=None, int8=False, batch_size=16,
+                 max_length=None, max_gen_toks=256, kv_dtype=None, seed=0, **_harness_args):
+        super().__init__()
+        path = path or pretrained
+        if path is None:
+            raise ValueError("JaxkvLM: pass path= (a model jaxkv.load reads)")
+        self.params = load(path, dtype=dtype, int8=str(int8).lower() in ("true", "1"))
+        self.tokenizer = load_tokenizer(path)
+        c = self.params.config
+        self.batch_size = int(batch_size)
+        self.max_length = int(max_length or c.max_seq_len)
+        self.max_gen_toks = int(max_gen_toks)
+        self.kv_dtype = kv_dtype
+        self.key = jax.random.key(int(seed))
+        if c.eos_id is None:
+            raise ValueError(f"{path}: the model names no eos_id, which the harness needs as its "
+                             f"end-of-text token")
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.params.config.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        c = self.params.config
+        return c.bos_id if c.bos_id is not None else c.eos_id
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        special = True if add_special_tokens is None else add_special_tokens
+        return self.tokenizer.encode(string, add_special_tokens=special).ids
+
+    def tok_decode(self, ids, skip_special_tokens=True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+        """(summed log-probability, is greedy) of each ((context, continuation), context ids,
+        continuation ids); a context keeps its last tokens where the pair is too long."""
+        pairs = []
+        for _, context, continuation in requests:
+            room = self.max_length + 1 - len(continuation)
+            pairs.append((context[-room:] if len(context) > room else context, continuation))
+        results = loglikelihood_many(self.params, pairs, batch_size=self.batch_size,
+                                     kv_dtype=self.kv_dtype)
+        for (cache_key, _, _), result in zip(requests, results):
+            if cache_key is not None:
+                self.cache_hook.add_partial("loglikelihood", cache_key, result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False) -> list[float]:
+        documents = [self.tok_encode(request.args[0]) for request in requests]
+        results = loglikelihood_rolling(self.params, documents, prefix_id=self.prefix_token_id,
+                                        max_len=self.max_length, batch_size=self.batch_size,
+                                        kv_dtype=self.kv_dtype)
+        for request, result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, result)
+        return results
+
+    def generate_until(self, requests, disable_tqdm=False) -> list[str]:
+        """Each request's (context, generation options) answered, requests of the same options
+        generated together; the text is cut at the first stop string."""
+        groups: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            groups.setdefault(repr(sorted(request.args[1].items())), []).append(i)
+        texts: list = [None] * len(requests)
+        for members in groups.values():
+            for i, text in zip(members, self._generate([requests[i] for i in members])):
+                texts[i] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return texts
+
+    def _generate(self, requests) -> list[str]:
+        """Texts for requests sharing one set of generation options."""
+        options = normalize_gen_kwargs(dict(requests[0].args[1]), self.max_gen_toks)
+        until = handle_stop_sequences(options.pop("until", None),
+                                      eos=self.tok_decode([self.eot_token_id], False))
+        budget = options.pop("max_gen_toks")
+        room = self.max_length - budget
+        if room <= 0:
+            raise ValueError(f"max_gen_toks ({budget}) leaves no room for a context in "
+                             f"max_length ({self.max_length})")
+        prompts = [self.tok_encode(request.args[0])[-room:] for request in requests]
+        temperature = float(options.pop("temperature", 0.0)) if options.pop("do_sample") else 0.0
+        answers = generate_many(self.params, prompts, budget, batch_size=self.batch_size,
+                                temperature=temperature, key=self.key,
+                                stop=[text for text in until if text], tokenizer=self.tokenizer)
+        return [postprocess_generated_text(self.tok_decode(answer), until, None)
+                for answer in answers]
+
+
+def evaluate(path: str, tasks: list[str], *, include_path=None, num_fewshot=None, limit=None,
+             batch_size: int = 16, dtype=None, seed: int = 0) -> dict:
+    """lm_eval.simple_evaluate of the model at path on tasks (include_path: a folder of task
+    YAML files of your own); the harness's seeds all set to seed."""
+    limit = None if limit is None else (int(limit) if limit >= 1 else limit)
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks and not os.path.isfile(t)]
+    if unknown:
+        hint = "" if include_path else " (tasks of your own: include_path, a folder of YAML)"
+        raise ValueError(f"tasks: {', '.join(unknown)} is not a task, group or tag the harness "
+                         f"knows{hint}")
+    return lm_eval.simple_evaluate(
+        model=JaxkvLM(path, dtype=dtype, batch_size=batch_size, seed=seed), tasks=tasks,
+        num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+
+
+def table(results: dict) -> str:
+    """The harness's own table of the results."""
+    return make_table(results)
+
+
+def write_json(results: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({k: v for k, v in results.items() if k != "samples"}, f, indent=1,
+                  default=handle_non_serializable)

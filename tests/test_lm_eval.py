@@ -1,0 +1,118 @@
+"""jaxkv.lm_eval.JaxkvLM in lm-evaluation-harness: on a tiny random Llama saved with a
+character tokenizer, and tiny tasks defined here from local files (multiple choice, rolling
+log-likelihood, generation until stop strings), the harness's metrics and per-document results
+from JaxkvLM equal those from the harness's own Hugging Face backend on the same directory."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import HF_TINY, char_tokenizer
+
+lm_eval = pytest.importorskip("lm_eval")  # the test extra installs it: CI never skips this
+
+QUESTIONS = [
+    {"question": "The sky is", "choices": [" blue", " green", " loud"], "label": 0},
+    {"question": "Two and two make", "choices": [" four", " five"], "label": 0},
+    {"question": "Cats say", "choices": [" meow", " woof", " moo", " meow!"], "label": 3},
+    {"question": "", "choices": ["Start", "End"], "label": 1},
+]
+DOCUMENTS = [{"text": "A short document. " * 3}, {"text": "x" * 300},
+             {"text": "Rolling windows predict every token once, " * 8}]
+PROMPTS = [{"prompt": "Q: 2+2? A:", "answer": " 4"}, {"prompt": "Say hi:", "answer": " hi"}]
+TASKS = {
+    "jaxkv_tiny_choice": ("choice.jsonl", QUESTIONS, """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{label}}"
+metric_list: [{metric: acc}, {metric: acc_norm}]"""),
+    "jaxkv_tiny_rolling": ("rolling.jsonl", DOCUMENTS, """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list: [{metric: word_perplexity}, {metric: byte_perplexity}, {metric: bits_per_byte}]"""),
+    "jaxkv_tiny_generate": ("generate.jsonl", PROMPTS, """output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+generation_kwargs: {until: [".", "?"], max_gen_toks: 12, do_sample: false}
+metric_list: [{metric: exact_match}]"""),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model directory, task directory): a random Llama with a character tokenizer (end of
+    text: <unk>, id 96) and the tasks' YAML and JSONL files."""
+    import torch
+    import transformers
+
+    model_dir, task_dir = (tmp_path_factory.mktemp(n) for n in ("model", "tasks"))
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, max_position_embeddings=128,
+        **dict(HF_TINY, eos_token_id=96, pad_token_id=96))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(model_dir)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=char_tokenizer(97), eos_token="<unk>", unk_token="<unk>",
+        pad_token="<unk>").save_pretrained(model_dir)
+    for task, (data, rows, spec) in TASKS.items():
+        (task_dir / data).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (task_dir / f"{task}.yaml").write_text(
+            f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {task_dir / data}\ntest_split: test\n{spec}\n")
+    return model_dir, task_dir
+
+
+def evaluate(model, model_args, task_dir, monkeypatch):
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=sorted(TASKS),
+                                   task_manager=TaskManager(include_path=str(task_dir)),
+                                   log_samples=True, batch_size=1, random_seed=0,
+                                   numpy_random_seed=0, torch_random_seed=0)
+
+
+def test_jaxkv_equals_the_harness_hugging_face_backend(tiny, monkeypatch):
+    import jaxkv
+
+    model_dir, task_dir = tiny
+    ours = evaluate(jaxkv.lm_eval.JaxkvLM(str(model_dir), batch_size=3), None, task_dir,
+                    monkeypatch)
+    theirs = evaluate("hf", f"pretrained={model_dir},dtype=float32,device=cpu", task_dir,
+                      monkeypatch)
+    for task in TASKS:
+        for metric, value in theirs["results"][task].items():
+            if isinstance(value, float) and "stderr" not in metric:
+                assert ours["results"][task][metric] == pytest.approx(value, rel=1e-4), metric
+        for mine, hf in zip(ours["samples"][task], theirs["samples"][task]):
+            if task == "jaxkv_tiny_generate":
+                assert mine["resps"] == hf["resps"]
+                continue
+            (mine_ll, hf_ll) = ([r[0][0] if isinstance(r[0], (list, tuple)) else r[0]
+                                 for r in s["resps"]] for s in (mine, hf))
+            np.testing.assert_allclose(mine_ll, hf_ll, atol=1e-4, rtol=0)
+
+
+def test_the_eval_command_prints_the_harness_table(tiny, monkeypatch, tmp_path, capsys):
+    from jaxkv.front import cli
+
+    model_dir, task_dir = tiny
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "results.json"
+    cli.main(["eval", "--model", str(model_dir), "--tasks", "jaxkv_tiny_choice",
+              "--include-path", str(task_dir), "--limit", "2", "--output", str(out)])
+    printed = capsys.readouterr().out
+    assert "jaxkv_tiny_choice" in printed and "acc" in printed
+    results = json.loads(out.read_text())["results"]["jaxkv_tiny_choice"]
+    assert 0 <= results["acc,none"] <= 1
+
+
+def test_an_unknown_task_is_named(tiny, monkeypatch):
+    from jaxkv.front import cli
+
+    model_dir, task_dir = tiny
+    with pytest.raises(SystemExit, match="jaxkv: tasks: no_such_task is not a task"):
+        cli.main(["eval", "--model", str(model_dir), "--tasks", "no_such_task",
+                  "--include-path", str(task_dir)])
