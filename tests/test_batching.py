@@ -191,3 +191,38 @@ def test_a_failing_source_keeps_every_finished_answer(llama, fail, error, match)
         jaxkv.generate_many(llama, source(6, fail), BUDGETS, eos_id=EOS, batch_size=4,
                             max_len=128)
     assert info.value.answers == dict(enumerate(want))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_are_the_models_own(llama, temperature):
+    """logprobs=k: the same ids as without, each token's log-probability equal to the uncached
+    forward's log-softmax at its position (the model's own distribution, whatever the sampling
+    temperature), and the k likeliest, best first."""
+    import jax.numpy as jnp
+
+    some = prompts()[:5]
+    options = dict(batch_size=2, temperature=temperature, key=jax.random.key(4))
+    plain = jaxkv.generate_many(llama, some, 6, **options)
+    scored = jaxkv.generate_many(llama, some, 6, logprobs=3, **options)
+    assert [s.ids for s in scored] == plain
+    for prompt, s in zip(some, scored):
+        logp_TV = jax.nn.log_softmax(jaxkv.forward(llama, jnp.array([prompt + s.ids]))[0], -1)
+        for t, (token, logp, top) in enumerate(zip(s.ids, s.logprobs, s.top)):
+            row = logp_TV[len(prompt) - 1 + t]
+            assert logp == pytest.approx(float(row[token]), abs=1e-4)
+            assert [i for i, _ in top] == np.argsort(-np.asarray(row))[:3].tolist()
+            np.testing.assert_allclose([p for _, p in top], np.sort(row)[::-1][:3], atol=1e-4)
+            if temperature == 0.0:
+                assert top[0][0] == token
+    none = jaxkv.generate_many(llama, some[:1], 3, logprobs=0)[0]
+    assert none.top == [[], [], []] and len(none.logprobs) == 3
+
+
+@pytest.mark.parametrize("logprobs, error, match", [
+    (-1, ValueError, "logprobs must be an int >= 0, got -1"),
+    (True, TypeError, "logprobs must be an int >= 0, got True"),
+    (98, ValueError, "logprobs must be at most the vocabulary's 97 tokens, got 98"),
+])
+def test_bad_logprobs_are_named(llama, logprobs, error, match):
+    with pytest.raises(error, match=match):
+        jaxkv.generate_many(llama, prompts()[:2], 3, logprobs=logprobs)

@@ -81,6 +81,8 @@ def test_missing_model_path_exits_1_with_one_line():
     (["--temperature", "nan"], "--temperature must be >= 0"),
     (["--top-k", "0"], "--top-k must be at least 1"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--logprobs", "-1"], "--logprobs must be at least 0, got -1"),
+    (["--logprobs", "3"], "--logprobs is written into --output's lines: it needs --input"),
 ])
 def test_impossible_settings_are_refused_before_loading(argv, words, monkeypatch):
     monkeypatch.setattr(cli, "load_model", lambda path: pytest.fail("loaded a model"))

@@ -53,6 +53,21 @@ def test_completions_cut_before_a_stop_string(llama, tmp_path):
     assert answers(cut)["1"]["completion"] == text[:2]
 
 
+def test_logprobs_are_written_per_token(llama, tmp_path):
+    """logprobs=2: each line's tokens with their log-probabilities and the two likeliest; the
+    answers are those of a job without them."""
+    plain, scored = tmp_path / "plain.jsonl", tmp_path / "scored.jsonl"
+    run(llama, tmp_path, plain)
+    run(llama, tmp_path, scored, logprobs=2)
+    for key, line in answers(scored).items():
+        assert line["completion"] == answers(plain)[key]["completion"]
+        assert len(line["logprobs"]) == line["tokens"]
+        for entry in line["logprobs"]:
+            assert set(entry) == {"token", "id", "logprob", "top"} and len(entry["top"]) == 2
+            assert entry["logprob"] <= entry["top"][0]["logprob"] + 1e-6
+            assert isinstance(entry["token"], str)
+
+
 def test_resume_after_a_kill_gives_the_same_answers(llama, tmp_path):
     """Three answers and half of a fourth line written, as after kill -9: the rerun drops the
     torn line and answers the rest, as the uninterrupted (sampled) run did."""

@@ -7,6 +7,7 @@ nothing else changes shape: one compiled admission and one compiled decoding loo
 prompt length and every answer length.
 """
 
+import dataclasses
 import functools
 import sys
 import time
@@ -45,11 +46,23 @@ class Rows:
     answers: answers_lib.Answers  # done: ended, idle, or its prompt still being admitted
 
 
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """An answer with its tokens' log-probabilities (generate_many / iter_many, logprobs=k)."""
+
+    ids: list[int]
+    logprobs: list[float]  # each token's, under the model's own distribution (its softmax)
+    top: list[list[tuple[int, float]]]  # per token, the k likeliest (id, log-probability)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 def empty_rows(params, batch_size: int, capacity: int, max_new_tokens: int,
-               stop_prefixes: int = 0) -> Rows:
+               stop_prefixes: int = 0, logprobs: int | None = None) -> Rows:
     B, V = batch_size, params.config.vocab_size
     answers = answers_lib.empty(B, max_new_tokens, stop_prefixes, seen_BV=jnp.zeros((B, V), bool),
-                                done_B=jnp.ones((B,), bool))
+                                done_B=jnp.ones((B,), bool), logprobs=logprobs)
     return Rows(init_cache(params, B, capacity), jnp.zeros((B, V), jnp.float32),
                 jnp.zeros((B,), jnp.int32), row_keys(None, B), jnp.zeros((B,), jnp.int32),
                 sampling_params(B), answers)
@@ -101,7 +114,8 @@ def _decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps) -> Rows:
     def step(carry):
         rows, n, _ = carry
         token_B = answers_lib.draw(rows.answers, rows.logits, rows.sampling, rows.keys)
-        answers, ended_B = answers_lib.append(rows.answers, token_B[:, None],
+        answers = answers_lib.record_logprobs(rows.answers, rows.logits, token_B)
+        answers, ended_B = answers_lib.append(answers, token_B[:, None],
                                               jnp.ones((B,), jnp.int32), eos_E, stop, rows.budget)
         going_B = ~answers.done
         pos_B1 = rows.pos[:, None]
@@ -144,7 +158,9 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
     answer's text as it grows (a list with tokenizer=, or jaxkv.stop_strings tables); the
     answer keeps the token that completed one (stops.cut cuts its text). Options given as one
     value per prompt (temperature ..., max_new_tokens, indices) apply to that prompt, whichever
-    row serves it, and a list of prompts needs exactly one each.
+    row serves it, and a list of prompts needs exactly one each. logprobs=k: each answer is a
+    Scored (ids, each token's log-probability under the model's own distribution, the k
+    likeliest tokens with theirs) instead of its ids.
 
     Nothing finished is lost: a list of prompts is checked whole before anything is computed;
     an iterable that fails at item i (the item itself, or the source) stops the admissions,
@@ -187,7 +203,7 @@ class Schedule:
     def __init__(self, params, prompts, max_new_tokens, batch_size, *, temperature=0.0,
                  top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                  eos_id=None, stop=None, tokenizer=None, max_len=None, indices=None,
-                 limit=None):
+                 logprobs=None, limit=None):
         """limit: how an error names the cache's positions (default: max_len, the model's
         max_seq_len, or the cache's size, as the capacity came)."""
         c = self.config = params.config
@@ -214,8 +230,11 @@ class Schedule:
                              "expected one per prompt")
         work = ((i, ids, self.checked(i, ids)) for i, ids in enumerate(self.prompts))
         self.queue = iter(list(work) if self.count is not None else work)  # a list: all now
+        if logprobs is not None and checks.int_arg(logprobs, "logprobs", 0) > c.vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary's {c.vocab_size} tokens, "
+                             f"got {logprobs}")
         self.rows = empty_rows(params, batch_size, self.capacity, self.N,
-                               self.stop.completes.shape[1])
+                               self.stop.completes.shape[1], logprobs)
         self.serving = [None] * batch_size  # row -> [prompt index, ids, ids prefilled, budget]
 
     def decode(self, steps: int):
@@ -298,9 +317,17 @@ class Schedule:
         done_B, t_B = jax.device_get((self.rows.answers.done, self.rows.answers.length))
         ended = [b for b, s in enumerate(self.serving)
                  if s is not None and s[2] == len(s[1]) and done_B[b]]
-        tokens_BN = np.asarray(self.rows.answers.tokens) if ended else None
+        a = self.rows.answers
+        tokens, logprob, top_ids, top_logprob = jax.device_get(
+            (a.tokens, a.logprob, a.top_ids, a.top_logprob) if ended else (None,) * 4)
         for b in ended:
-            yield self.serving[b][0], tokens_BN[b, : t_B[b]].tolist()
+            n = t_B[b]
+            ids = tokens[b, :n].tolist()
+            if logprob is not None:
+                top = [list(zip(i.tolist(), p.tolist()))
+                       for i, p in zip(top_ids[b, :n], top_logprob[b, :n])]
+                ids = Scored(ids, logprob[b, :n].tolist(), top)
+            yield self.serving[b][0], ids
             self.serving[b] = None
 
 

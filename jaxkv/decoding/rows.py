@@ -23,18 +23,27 @@ class Answers:
     done: jax.Array  # [B] bool: the row has ended, or serves nothing
     seen: jax.Array | None  # [B, V] bool: the repetition penalty's tokens; None: no penalty
     ends: jax.Array  # [B, M] bool: the stop-string prefixes the answer ends with (stops.py)
+    # where asked for (None otherwise), each token's log-probability under the model's own
+    # distribution (its logits' softmax, before temperature or penalties), and the k likeliest
+    logprob: jax.Array | None = None  # [B, N] float32
+    top_ids: jax.Array | None = None  # [B, N, k] int32
+    top_logprob: jax.Array | None = None  # [B, N, k] float32
 
 
 def empty(batch_size: int, max_tokens: int, stop_prefixes: int = 0, pad_id=0, seen_BV=None,
-          done_B=None) -> Answers:
+          done_B=None, logprobs: int | None = None) -> Answers:
     """Answers with nothing drawn. seen_BV: where the repetition penalty starts (each row's
     prompt, see prompt_seen), or None for a loop without one; done_B: rows that serve nothing
-    yet (default none)."""
-    B = batch_size
-    return Answers(tokens=jnp.full((B, max_tokens), pad_id, jnp.int32),
-                   length=jnp.zeros((B,), jnp.int32),
+    yet (default none); logprobs: None, or k: keep each token's log-probability and the k
+    likeliest (see record_logprobs)."""
+    B, N = batch_size, max_tokens
+    k = logprobs or 0
+    scored = {} if logprobs is None else dict(
+        logprob=jnp.zeros((B, N), jnp.float32), top_ids=jnp.zeros((B, N, k), jnp.int32),
+        top_logprob=jnp.zeros((B, N, k), jnp.float32))
+    return Answers(tokens=jnp.full((B, N), pad_id, jnp.int32), length=jnp.zeros((B,), jnp.int32),
                    done=jnp.zeros((B,), bool) if done_B is None else done_B, seen=seen_BV,
-                   ends=jnp.zeros((B, stop_prefixes), bool))
+                   ends=jnp.zeros((B, stop_prefixes), bool), **scored)
 
 
 def prompt_seen(vocab_size: int, prompt_BT, lengths_B):
@@ -53,6 +62,22 @@ def draw(a: Answers, logits_BV, sampling, keys_B, banned_BV=None, pad_id=0):
         logits_BV = jnp.where(banned_BV, -jnp.inf, logits_BV)
     seen_BV = jnp.zeros(logits_BV.shape, bool) if a.seen is None else a.seen
     return jnp.where(a.done, pad_id, sample(logits_BV, sampling, keys_B, a.length, seen_BV))
+
+
+def record_logprobs(a: Answers, logits_BV, token_B) -> Answers:
+    """a with each live row's next token (token_B, drawn from logits_BV) scored at the answer's
+    next index: its log-probability under softmax(logits_BV) and the k likeliest tokens with
+    theirs. A no-op for answers that keep none."""
+    if a.logprob is None:
+        return a
+    B, N = a.tokens.shape
+    logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    top_logprob_Bk, top_ids_Bk = jax.lax.top_k(logp_BV, a.top_ids.shape[2])
+    rows_B, at_B = jnp.arange(B), jnp.where(a.done, N, a.length)
+    chosen_B = logp_BV[rows_B, token_B]
+    return a.replace(logprob=a.logprob.at[rows_B, at_B].set(chosen_B, mode="drop"),
+                     top_ids=a.top_ids.at[rows_B, at_B].set(top_ids_Bk, mode="drop"),
+                     top_logprob=a.top_logprob.at[rows_B, at_B].set(top_logprob_Bk, mode="drop"))
 
 
 def append(a: Answers, tokens_BJ, n_B, eos_E, stop, budget_B):

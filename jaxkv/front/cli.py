@@ -37,6 +37,10 @@ def check_generate_args(args) -> None:
          f"--repetition-penalty must be > 0, got {args.repetition_penalty}"),
         (args.batch_size < 1, f"--batch-size must be at least 1, got {args.batch_size}"),
         (any(not s for s in args.stop), "--stop must not be empty"),
+        (getattr(args, "logprobs", None) is not None and args.logprobs < 0,
+         f"--logprobs must be at least 0, got {getattr(args, 'logprobs', None)}"),
+        (getattr(args, "logprobs", None) is not None and not getattr(args, "input", None),
+         "--logprobs is written into --output's lines: it needs --input"),
     ]
     for refused, message in refusals:
         if refused:
@@ -241,6 +245,7 @@ def run_file(args, path, params, tokenizer) -> None:
     n = jsonl.answer_file(params, tokenizer, encode, args.input, args.output, args.max_new_tokens,
                           stop_ids=list(params.config.end_ids), stop=args.stop,
                           seed=args.seed, batch_size=args.batch_size, progress=True,
+                          logprobs=args.logprobs,
                           **{k: v for k, v in sampling_options(args).items() if k != "key"})
     status(f"{n} answered, {args.output} complete")
 
@@ -368,6 +373,8 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", help='JSONL answers {"id", "completion", "tokens"}, appended '
                                       "as each ends; a rerun skips the ids answered")
     gen.add_argument("--batch-size", type=int, default=16, help="rows decoded together (--input)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="(--input) write each token's log-probability and the K likeliest")
     chat = sub.add_parser("chat", formatter_class=defaults,
                           help="an interactive conversation whose KV cache is kept between turns")
     add_model_flags(chat)

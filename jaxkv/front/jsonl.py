@@ -3,7 +3,8 @@ appended as each prompt ends, so a job killed at any moment resumes where it sto
 
 Input lines: {"prompt": text, "id": optional (default: the line number, from 1),
 "max_new_tokens": optional}. Output lines: {"id", "completion", "tokens"} (tokens: how many the
-answer drew, a stop token included).
+answer drew, a stop token included); with logprobs=k also "logprobs": per token drawn, its
+{"token", "id", "logprob"} and "top": the k likeliest as {"token", "id", "logprob"}.
 """
 
 import json
@@ -140,10 +141,20 @@ def _answer(params, tokenizer, encode, requests, input_path, out, output_path, m
     answers = iter_many(params, prompts, budgets, key=jax.random.key(seed),
                         eos_id=list(stop_ids) or None, stop=stop or None,
                         tokenizer=tokenizer, indices=[r["line"] for r in pending], **options)
-    for i, ids in answers:
+    for i, answer in answers:
+        ids = answer if isinstance(answer, list) else answer.ids
         text_ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
         text = stops.cut(tokenizer.decode(text_ids, skip_special_tokens=True), stop)
         line = {"id": pending[i]["id"], "completion": text, "tokens": len(ids)}
+        if not isinstance(answer, list):
+            line["logprobs"] = _logprobs(tokenizer, answer)
         out.write(json.dumps(line, ensure_ascii=False) + "\n")
         out.flush()
     return len(pending)
+
+
+def _logprobs(tokenizer, answer) -> list[dict]:
+    """Per token of a Scored answer: its text, id and log-probability, and the k likeliest."""
+    entry = lambda i, p: {"token": tokenizer.id_to_token(i), "id": i, "logprob": p}  # noqa: E731
+    return [dict(entry(i, p), top=[entry(j, q) for j, q in top])
+            for i, p, top in zip(answer.ids, answer.logprobs, answer.top)]
