@@ -1,4 +1,5 @@
-"""The cache's storage: 16-bit float layers held as their bits, stored in place."""
+"""The cache's storage: 16-bit float layers held as their bits, stored in place; paged layers
+(PagedKV: blocks of a pool through per-row tables) answering as unpaged ones."""
 
 import re
 
@@ -8,9 +9,9 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.core.cache import write
-from jaxkv.ops.arrays import HalfKV
-from tests.conftest import random_tokens
+from jaxkv.core.cache import with_table, write
+from jaxkv.ops.arrays import HalfKV, PagedKV
+from tests.conftest import TINY, random_tokens
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -62,3 +63,63 @@ def test_bfloat16_step_stores_in_place(llama):
     assert not re.findall(rf"= \w+{layer} copy\(", hlo)  # a copy of a layer
     # a loop that makes a whole layer by converting one (reads convert into float32 alone)
     assert not re.findall(rf"ROOT %[\w.-]+ = (?:bf16|u16){layer} (?:bitcast-)?convert\(", hlo)
+
+
+def decode_all(params, cache, tokens_BT, prompt_len):
+    """Logits of a prefill of prompt_len tokens, then of every decode step after it."""
+    logits_BV, cache = jaxkv.prefill(params, cache, tokens_BT[:, :prompt_len])
+    out, step = [logits_BV], jax.jit(jaxkv.decode_step)
+    for t in range(prompt_len, tokens_BT.shape[1]):
+        logits_BV, cache = step(params, cache, tokens_BT[:, t], jnp.full((2,), t))
+        out.append(logits_BV)
+    return np.stack(out)
+
+
+WINDOWED = jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=96, sliding_window=8,
+                              window_layers=(0, 2), **TINY)
+
+
+@pytest.mark.parametrize("backend", ["default", "xla"])
+@pytest.mark.parametrize("name, dtype", [("llama", jnp.float32), ("llama", jnp.bfloat16),
+                                         ("llama", jnp.int8), ("windowed", jnp.float32)])
+def test_paged_layers_answer_as_unpaged_ones(request, backend, name, dtype):
+    """Blocks of 8 slots in a shuffled order, with blocks no row owns: every logit of a prefill
+    and 10 decode steps equals the unpaged cache's; window layers keep their rings."""
+    if backend == "xla":
+        request.getfixturevalue("xla_backend")
+    params = (request.getfixturevalue("llama") if name == "llama"
+              else jaxkv.init_params(WINDOWED, jax.random.key(5)))
+    tokens_BT = np.asarray(random_tokens(3, (2, 22)))
+    paged = jaxkv.init_cache(params, 2, 32, dtype, block_size=8, blocks=11)
+    paged = with_table(paged, jnp.array([[7, 2, 10, 4], [0, 5, 1, 8]], jnp.int32))
+    assert [isinstance(x, PagedKV) for x in paged.k] == [
+        i not in params.config.window_layers for i in range(3)]
+    want = decode_all(params, jaxkv.init_cache(params, 2, 32, dtype), tokens_BT, 12)
+    np.testing.assert_array_equal(decode_all(params, paged, tokens_BT, 12), want)
+
+
+def test_rows_can_share_a_prompts_blocks(llama):
+    """Row 1's table names row 0's first block, which holds the same 8 prompt tokens: row 1
+    prefilled from position 8 on answers as if it had computed them itself."""
+    tokens_BT = np.array(random_tokens(4, (2, 14)))
+    tokens_BT[1, :8] = tokens_BT[0, :8]
+    cache = jaxkv.init_cache(llama, 2, 16, block_size=8, blocks=3)
+    assert (cache.k[0].table == 3).all()  # fewer blocks than rows x max_len: none given
+    cache = with_table(cache, jnp.array([[0, 1], [3, 3]], jnp.int32))  # row 1: none yet
+    _, cache = jaxkv.prefill(llama, cache, tokens_BT[:1, :8].repeat(2, 0), [8, 1])
+    cache = with_table(cache, jnp.array([[0, 1], [0, 2]], jnp.int32))
+    logits_BV, _ = jaxkv.prefill(llama, cache, tokens_BT[:, 8:], start=[8, 8])
+    want_BV, _ = jaxkv.prefill(llama, jaxkv.init_cache(llama, 2, 16), tokens_BT)
+    np.testing.assert_allclose(logits_BV, want_BV, atol=1e-5, rtol=0)
+
+
+def test_bad_paging_is_named(llama):
+    with pytest.raises(ValueError, match=r"max_len \(30\) must be a whole number of blocks of "
+                                         r"block_size \(8\)"):
+        jaxkv.init_cache(llama, 2, 30, block_size=8)
+    with pytest.raises(ValueError, match="blocks needs block_size"):
+        jaxkv.init_cache(llama, 2, 32, blocks=4)
+    cache = with_table(jaxkv.init_cache(llama, 2, 32, block_size=8),
+                       jnp.zeros((2, 4), jnp.float32))
+    with pytest.raises(TypeError, match=r"cache.k\[0\].table must be int32"):
+        jaxkv.decode_step(llama, cache, jnp.array([1, 2]), jnp.array([0, 0]))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv import ops
-from jaxkv.ops.arrays import HalfKV, Int8KV, half_kv, quantize_kv
+from jaxkv.ops.arrays import HalfKV, Int8KV, PagedKV, half_kv, quantize_kv
 
 
 @struct.dataclass
@@ -57,15 +57,35 @@ def slots(config, layer: int, capacity: int) -> int:
     return ring_size(config, capacity) if layer in config.window_layers else capacity
 
 
-def empty(config, batch_size: int, capacity: int, dtype) -> KVCache:
+def empty(config, batch_size: int, capacity: int, dtype, block_size: int | None = None,
+          blocks: int | None = None) -> KVCache:
     """An empty cache of batch_size rows of capacity positions, stored as dtype (arguments
-    checked by the caller: see decoder.init_cache)."""
-    shapes = [(batch_size, config.n_kv_heads, slots(config, i, capacity), config.head_dim)
-              for i in range(config.n_layers)]
-    k, v = (tuple(ops.empty_kv_layer(shape, dtype) for shape in shapes) for _ in "kv")
+    checked by the caller: see decoder.init_cache). block_size: global layers are PagedKV, a pool
+    of `blocks` blocks of block_size slots (default: batch_size x capacity / block_size, each
+    row given its own in order); with fewer, every table starts empty (with_table fills it)."""
+    B, K, H = batch_size, config.n_kv_heads, config.head_dim
+    M = None if block_size is None else capacity // block_size
+    NB = None if block_size is None else blocks or B * M
+    table = None if block_size is None else (
+        jnp.arange(B * M, dtype=jnp.int32).reshape(B, M) if NB >= B * M
+        else jnp.full((B, M), NB, jnp.int32))
+
+    def layer():
+        return [ops.empty_kv_layer((B, K, slots(config, i, capacity), H), dtype)
+                if block_size is None or i in config.window_layers else
+                PagedKV(ops.empty_kv_layer((K, NB, block_size, H), dtype), table)
+                for i in range(config.n_layers)]
     R = ring_size(config, capacity)
     ring_pos = None if R is None else jnp.full((batch_size, R), -1, jnp.int32)
-    return KVCache(k=k, v=v, ring_pos=ring_pos, capacity=capacity)
+    return KVCache(k=tuple(layer()), v=tuple(layer()), ring_pos=ring_pos, capacity=capacity)
+
+
+def with_table(cache: KVCache, table_BM) -> KVCache:
+    """cache with every paged layer read and written through table_BM [B, M] (block ids of its
+    pool; the pool's block count or more: none)."""
+    def retabled(layers):
+        return tuple(x.replace(table=table_BM) if isinstance(x, PagedKV) else x for x in layers)
+    return cache.replace(k=retabled(cache.k), v=retabled(cache.v))
 
 
 def with_cross(cache: KVCache, cross_k, cross_v, mask_BM, dtype) -> KVCache:
@@ -135,14 +155,33 @@ def store(cache: KVCache, kv, slot_BT) -> KVCache:
 def write(cache_BKSH, new_BTKH, slot_BT):
     """Stores new_BTKH[b, t] at slot slot_BT[b, t] of row b; slots outside [0, S) are dropped.
     An Int8KV cache stores them quantized, and their scales [B, K, S] the same way; a HalfKV
-    cache their bits."""
-    if isinstance(cache_BKSH, Int8KV):
-        new = quantize_kv(new_BTKH)
-        return Int8KV(write(cache_BKSH.q, new.q, slot_BT),
-                      write(cache_BKSH.scale, new.scale, slot_BT))
-    if isinstance(cache_BKSH, HalfKV):
-        bits = half_kv(new_BTKH, cache_BKSH.dtype).bits
-        return cache_BKSH.replace(bits=write(cache_BKSH.bits, bits, slot_BT))
+    cache their bits; a PagedKV cache in the block its row's table names for the slot."""
+    if isinstance(cache_BKSH, PagedKV):
+        return _write_paged(cache_BKSH, new_BTKH, slot_BT)
     rows_B1 = jnp.arange(cache_BKSH.shape[0])[:, None]
-    # Advanced indices around a slice: the indexed view is [B, T, K, H], like new_BTKH.
-    return cache_BKSH.at[rows_B1, :, slot_BT].set(new_BTKH.astype(cache_BKSH.dtype), mode="drop")
+    # Advanced indices around a slice: the indexed view is [B, T, K, ...], like the new values.
+    return _stored_as(cache_BKSH, new_BTKH, lambda x, new: x.at[rows_B1, :, slot_BT].set(
+        new.astype(x.dtype), mode="drop"))
+
+
+def _write_paged(cache: PagedKV, new_BTKH, slot_BT) -> PagedKV:
+    _, NB, P, _ = cache.pool.shape
+    M = cache.table.shape[1]
+    inside_BT = (slot_BT >= 0) & (slot_BT < M * P)
+    block_BT = jnp.take_along_axis(cache.table, jnp.clip(slot_BT // P, 0, M - 1), axis=1)
+    block_BT = jnp.where(inside_BT, block_BT, NB)  # NB: dropped
+    # Advanced indices on adjacent axes: the indexed view is [K, B, T, ...].
+    pool = _stored_as(cache.pool, new_BTKH, lambda x, new: x.at[:, block_BT, slot_BT % P].set(
+        jnp.moveaxis(new, 2, 0).astype(x.dtype), mode="drop"))
+    return cache.replace(pool=pool)
+
+
+def _stored_as(layer, new_BTKH, put):
+    """put(array, new values [B, T, K, ...]) applied to the arrays of the layer's stored form:
+    an Int8KV's int8 numbers and scales (new_BTKH quantized), a HalfKV's bits, or the array."""
+    if isinstance(layer, Int8KV):
+        new = quantize_kv(new_BTKH)
+        return Int8KV(put(layer.q, new.q), put(layer.scale, new.scale))
+    if isinstance(layer, HalfKV):
+        return layer.replace(bits=put(layer.bits, half_kv(new_BTKH, layer.dtype).bits))
+    return put(layer, new_BTKH)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.core.cache import KVCache, ring_size, slots
-from jaxkv.ops.arrays import HALF_DTYPES, HalfKV, Int8KV
+from jaxkv.ops.arrays import HALF_DTYPES, HalfKV, Int8KV, PagedKV
 
 MIN_BUCKET = 16
 INT32_MAX = 2**31 - 1
@@ -228,7 +228,12 @@ def _layers(config, cache, fields, expected, name, layout):
 
 def _stored(x, name: str):
     """A layer's keys or values: a float array, an Int8KV with a float32 scale per vector, or a
-    HalfKV (bfloat16 or float16 bits)."""
+    HalfKV (bfloat16 or float16 bits); or a PagedKV of one of them, with an int32 table."""
+    if isinstance(x, PagedKV):
+        if x.table.dtype != jnp.int32 or x.table.ndim != 2:
+            raise TypeError(f"{name}.table must be int32 [batch, blocks per row], got "
+                            f"{x.table.dtype} {tuple(x.table.shape)}")
+        x, name = x.pool, f"{name}.pool"
     if isinstance(x, Int8KV):
         if x.q.dtype != jnp.int8 or x.scale.dtype != jnp.float32:
             raise TypeError(f"{name} is Int8KV with q {x.q.dtype}, scale {x.scale.dtype}; "

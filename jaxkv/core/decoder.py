@@ -19,6 +19,7 @@ from jaxkv.core.tracecount import count_trace
 
 
 def init_cache(params: Params, batch_size: int, max_len: int, dtype=None, *,
+               block_size: int | None = None, blocks: int | None = None,
                encoder_inputs=None, encoder_lengths=None) -> KVCache:
     """An empty cache for batch_size rows of up to max_len positions (dtype: params' by default).
 
@@ -28,6 +29,12 @@ def init_cache(params: Params, batch_size: int, max_len: int, dtype=None, *,
     bfloat16 at head dim 64. For an encoder-decoder model, encoder_inputs ([B, M] tokens with
     optional encoder_lengths [B], or [B, n_mels, frames] log-mel features) are encoded here and
     the cross-attention K/V of every layer are computed and stored, once.
+
+    block_size (a divisor of max_len): the global layers are paged (jaxkv.ops.PagedKV): a pool of
+    `blocks` blocks of block_size slots, each row reading and writing its own through a block
+    table (default: batch_size x max_len / block_size blocks, row b given its own in order, so
+    the cache answers as an unpaged one; with fewer, the tables start empty and
+    jaxkv.core.cache.with_table assigns them). Window layers keep their rings.
     """
     c = params.config
     batch_size = checks.int_arg(batch_size, "init_cache: batch_size")
@@ -36,7 +43,16 @@ def init_cache(params: Params, batch_size: int, max_len: int, dtype=None, *,
         raise ValueError(f"init_cache: max_len={max_len} exceeds the model's {c.max_seq_len} "
                          "learned positions")
     dtype = checks.kv_dtype(dtype or params.dtype, "init_cache: dtype")
-    cache = cache_lib.empty(c, batch_size, max_len, dtype)
+    if block_size is not None:
+        block_size = checks.int_arg(block_size, "init_cache: block_size")
+        if max_len % block_size:
+            raise ValueError(f"init_cache: max_len ({max_len}) must be a whole number of blocks "
+                             f"of block_size ({block_size})")
+    if blocks is not None:
+        if block_size is None:
+            raise ValueError("init_cache: blocks needs block_size (the slots of each block)")
+        blocks = checks.int_arg(blocks, "init_cache: blocks")
+    cache = cache_lib.empty(c, batch_size, max_len, dtype, block_size, blocks)
     if c.is_encoder_decoder or encoder_inputs is not None:  # (errors name what is missing)
         cross = encoder.cross_cache(params, encoder_inputs, encoder_lengths, batch_size)
         cache = cache_lib.with_cross(cache, *cross, dtype)

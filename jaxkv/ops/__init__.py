@@ -14,7 +14,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxkv.ops.arrays import HALF_DTYPES, HalfKV, Int8, Int8KV, half_kv, quantize_kv
+from jaxkv.ops.arrays import (HALF_DTYPES, HalfKV, Int8, Int8KV, PagedKV, half_kv, logical,
+                               quantize_kv)
 from jaxkv.ops.xla import merge_parts
 
 BACKENDS = {"xla": "jaxkv.ops.xla", "cpu": "jaxkv.ops.cpu", "pallas": "jaxkv.ops.pallas"}
@@ -57,8 +58,11 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, *, bias_BNTS=None,
     the cache will hold it. softcap (optional): scaled scores s become softcap tanh(s /
     softcap). lengths (optional, [B]): the cache slots row b's queries read are exactly [0,
     lengths[b]) (a decode step's), which a backend may read instead of the mask. A query with
-    no visible key gets output 0 and lse -inf, never NaN.
+    no visible key gets output 0 and lse -inf, never NaN. A PagedKV cache is read as its rows
+    see it (arrays.logical) by every backend for now.
     """
+    if isinstance(k_BKSH, PagedKV):
+        k_BKSH, v_BKSH = logical(k_BKSH), logical(v_BKSH)
     return backend().attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
                                softcap, lengths)
 
@@ -102,6 +106,6 @@ def prefill_chunk(w_qkv, rows: int, tokens: int) -> int:
     return backend().prefill_chunk(w_qkv, rows, tokens)
 
 
-__all__ = ["HALF_DTYPES", "HalfKV", "Int8", "Int8KV", "attention", "backend", "backend_name",
+__all__ = ["HALF_DTYPES", "HalfKV", "Int8", "Int8KV", "PagedKV", "attention", "backend", "backend_name",
            "empty_kv_layer", "kv_layer", "matmul", "materialized", "merge_parts", "placed",
            "prefill_chunk"]

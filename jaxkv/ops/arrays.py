@@ -1,6 +1,8 @@
 """The stored forms that every backend reads: int8 weight matrices (Int8) and cache layers of
-int8 (Int8KV) or 16-bit float bits (HalfKV). Pure data and the arithmetic that defines it; no
-backend is named here."""
+int8 (Int8KV) or 16-bit float bits (HalfKV), or paged through block tables (PagedKV). Pure data
+and the arithmetic that defines it; no backend is named here."""
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +79,40 @@ class HalfKV:
 
     def astype(self, dtype):
         return jax.lax.bitcast_convert_type(self.bits, self.dtype).astype(dtype)
+
+
+@struct.dataclass
+class PagedKV:
+    """One global cache layer's keys or values in blocks of P slots taken from a pool, each row
+    reading its own through a block table: row b's slot s is slot s % P of block
+    table[b, s // P]. Rows hold what their tables give them (not batch x capacity), and rows
+    may share blocks (a common prompt). Readers see a [B, K, M * P, H] layer (see logical).
+    The pool is laid out as JAX's paged-attention kernels read theirs: kv heads first."""
+
+    pool: Any  # [K, NB, P, H]: an array, Int8KV or HalfKV
+    table: jax.Array  # [B, M] int32: row b's m-th block; NB or more: none (not read, not written)
+
+    @property
+    def shape(self):
+        K, _, P, H = self.pool.shape
+        B, M = self.table.shape
+        return (B, K, M * P, H)
+
+    @property
+    def dtype(self):
+        return self.pool.dtype
+
+
+def logical(x: PagedKV):
+    """The layer as its rows read it, [B, K, M * P, H] (same stored form: array, Int8KV or
+    HalfKV); a slot whose block is none reads 0."""
+    B, M = x.table.shape
+
+    def rows(leaf):  # [K, NB, P, ...] -> [B, K, M * P, ...]
+        blocks = jnp.take(leaf, x.table, axis=1, mode="fill", fill_value=0)  # [K, B, M, P, ...]
+        return jnp.moveaxis(blocks, 0, 1).reshape(B, leaf.shape[0], M * leaf.shape[2],
+                                                   *leaf.shape[3:])
+    return jax.tree.map(rows, x.pool)
 
 
 def half_kv(x_XH, dtype) -> HalfKV:

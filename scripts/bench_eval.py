@@ -1,0 +1,114 @@
+"""Evaluation at scale on the CPU (issue 50), each figure against its baseline in the same run.
+
+  loglikelihood  multiple-choice requests as lm-evaluation-harness makes them: --contexts
+                 contexts of --context-len tokens of tinyshakespeare (tests/data), each with 4
+                 choices of 2 to 8 tokens (the next tokens of the text, and three from
+                 elsewhere), so 4 x --contexts requests: jaxkv.loglikelihood_many against the
+                 harness's own Hugging Face model (HFLM._loglikelihood_tokens on the same token
+                 requests, its --hf-batch-size), the same SmolLM2-135M-Instruct weights in
+                 float32 (the shipped GGUF, dequantized by each library). Results compared
+                 (largest difference of a log-likelihood, greedy flags equal).
+
+Times are wall-clock seconds of the whole request list; jaxkv's is its second run (the first
+compiles; both recorded). Writes <out>.json and <out>.md naming the CPU.
+
+  python scripts/bench_eval.py                      # 250 contexts: 1,000 requests (~5 min)
+  python scripts/bench_eval.py --contexts 4 --context-len 16 --out /tmp/bench_eval
+"""
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+import jaxkv
+
+from bench_checks import cpu_name, results_dir  # scripts/
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT = os.path.join(ROOT, "tests", "data", "tinyshakespeare.txt")
+
+
+def requests(tokenizer, contexts: int, context_len: int, seed: int = 0) -> list:
+    """4 x contexts (context ids, continuation ids): the text's next tokens and three other
+    spans as the choices of each context."""
+    with open(TEXT, encoding="utf-8") as f:
+        ids = tokenizer.encode(f.read()[:400_000]).ids
+    rng = np.random.default_rng(seed)
+    out = []
+    for start in rng.integers(0, len(ids) - context_len - 8, contexts):
+        context = ids[start:start + context_len]
+        for choice in range(4):
+            n = int(rng.integers(2, 9))
+            at = start + context_len if choice == 0 else int(rng.integers(0, len(ids) - n))
+            out.append((context, ids[at:at + n]))
+    return out
+
+
+def seconds(run):
+    start = time.perf_counter()
+    result = run()
+    return time.perf_counter() - start, result
+
+
+def hf_model(path: str, batch_size: int):
+    """lm-evaluation-harness's Hugging Face model over the GGUF file at path, float32, CPU."""
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=os.path.dirname(path), gguf_file=os.path.basename(path),
+                dtype="float32", device="cpu", batch_size=batch_size,
+                tokenizer=os.path.dirname(path) if os.path.exists(
+                    os.path.join(os.path.dirname(path), "tokenizer.json")) else None)
+
+
+def bench_loglikelihood(args, params, tokenizer, path) -> dict:
+    reqs = requests(tokenizer, args.contexts, args.context_len)
+    cold, ours = seconds(lambda: jaxkv.loglikelihood_many(params, reqs,
+                                                          batch_size=args.batch_size))
+    warm, again = seconds(lambda: jaxkv.loglikelihood_many(params, reqs,
+                                                           batch_size=args.batch_size))
+    assert again == ours
+    hf = hf_model(path, args.hf_batch_size)
+    theirs_s, theirs = seconds(lambda: hf._loglikelihood_tokens(
+        [(None, list(c), list(x)) for c, x in reqs], disable_tqdm=True))
+    diff = max(abs(a[0] - b[0]) for a, b in zip(ours, theirs))
+    return dict(requests=len(reqs), contexts=args.contexts, context_len=args.context_len,
+                jaxkv_s=warm, jaxkv_first_s=cold, hf_s=theirs_s, speedup=theirs_s / warm,
+                max_abs_diff=diff, greedy_equal=[a[1] for a in ours] == [b[1] for b in theirs],
+                batch_size=args.batch_size, hf_batch_size=args.hf_batch_size)
+
+
+def markdown(result) -> str:
+    r = result["loglikelihood"]
+    return "\n".join([
+        f"# bench_eval on {result['cpu']}", "",
+        "| work | requests | jaxkv s (first) | lm-eval HF s | speed-up | max diff | greedy "
+        "equal |", "|---|--:|--:|--:|--:|--:|---|",
+        f"| loglikelihood, {r['contexts']} contexts of {r['context_len']} tokens x 4 choices | "
+        f"{r['requests']} | {r['jaxkv_s']:.2f} ({r['jaxkv_first_s']:.2f}) | {r['hf_s']:.2f} | "
+        f"{r['speedup']:.2f}x | {r['max_abs_diff']:.1e} | {r['greedy_equal']} |", ""])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--contexts", type=int, default=250)
+    ap.add_argument("--context-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=16, help="jaxkv's contexts at once")
+    ap.add_argument("--hf-batch-size", type=int, default=16, help="the harness's requests at once")
+    ap.add_argument("--out", default=f"{results_dir()}/bench_eval")
+    args = ap.parse_args()
+    path = jaxkv.default_model()
+    params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)
+    result = dict(cpu=cpu_name(), model=os.path.basename(path),
+                  loglikelihood=bench_loglikelihood(args, params, tokenizer, path))
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
