@@ -78,11 +78,12 @@ def test_stop_strings_end_answers_where_the_text_first_holds_one(llama):
 
 def test_no_recompile_for_new_lengths_and_a_generator(llama):
     """After one data set, another with other prompt lengths and budgets (the largest in the
-    same bucket: 17..32), given as a generator, traces nothing new."""
-    jaxkv.generate_many(llama, prompts(), BUDGETS, batch_size=4, max_len=128)
+    same bucket: 17..32), given as a generator, traces nothing new (the same cache_tokens: a
+    pool sized by each data set itself would differ)."""
+    jaxkv.generate_many(llama, prompts(), BUDGETS, batch_size=4, max_len=128, cache_tokens=512)
     before = dict(TRACE_COUNTS)
     other = (p[: max(1, len(p) // 2)] for p in prompts()[::-1])
-    got = jaxkv.generate_many(llama, other, 30, batch_size=4, max_len=128)
+    got = jaxkv.generate_many(llama, other, 30, batch_size=4, max_len=128, cache_tokens=512)
     assert len(got) == len(LENGTHS) and all(len(a) == 30 for a in got)
     assert {k: TRACE_COUNTS[k] - before.get(k, 0) for k in ("admit", "decode_rows")} == {
         "admit": 0, "decode_rows": 0}
@@ -123,7 +124,8 @@ def test_iter_tokens_streams_generate_answer_without_callbacks(llama, window):
     s = batching.Schedule(window, [prompts()[4]], 10, 1)
     programs = [batching.decode.lower(window, s.rows, s.eos_E, s.stop, 3),
                 batching.admit.lower(window, s.rows, 0, np.zeros(batching.PIECE, np.int32), 5,
-                                     0, s.prompt_key(0), 10, s.sampling(0))]
+                                     0, s.prompt_key(0), 10, s.sampling(0), True,
+                                     s.paging.table(0), s.seen_before([1], 0))]
     assert not any("callback" in p.as_text() for p in programs)
     step = jax.jit(jaxkv.decode_step).lower(window, s.rows.cache, s.rows.pos, s.rows.pos)
     assert "callback" in step.as_text()  # what the check would find
@@ -226,3 +228,67 @@ def test_logprobs_are_the_models_own(llama, temperature):
 def test_bad_logprobs_are_named(llama, logprobs, error, match):
     with pytest.raises(error, match=match):
         jaxkv.generate_many(llama, prompts()[:2], 3, logprobs=logprobs)
+
+
+# ---- the paged cache and its prefix cache ---------------------------------------------------
+
+def shared_prefix_prompts(n=6, prefix_len=40):
+    """n prompts that begin with the same prefix_len tokens (two whole blocks of 16 and a part)
+    and end differently."""
+    tokens = np.asarray(random_tokens(12, (n, prefix_len + 9)))
+    return [tokens[0, :prefix_len].tolist() + tokens[i, prefix_len:prefix_len + 1 + i].tolist()
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(repetition_penalty=1.3, temperature=0.7,
+                                                  key=jax.random.key(2))])
+def test_the_prefix_cache_changes_no_answer(llama, monkeypatch, options):
+    """Prompts sharing a beginning read its blocks once computed (the last prompt token is
+    always computed); the answers equal those computed afresh, and generate's."""
+    reused = []
+    take = batching.blocks_lib.BlockPool.take
+
+    def counting(pool, ids, tokens):
+        got = take(pool, ids, tokens)
+        reused.append(None if got is None else got[1])
+        return got
+    monkeypatch.setattr(batching.blocks_lib.BlockPool, "take", counting)
+    some = shared_prefix_prompts()
+    cached = jaxkv.generate_many(llama, some, 8, batch_size=2, **options)
+    assert max(reused) == 32  # two whole blocks of the 40 shared tokens
+    fresh = jaxkv.generate_many(llama, some, 8, batch_size=2, prefix_cache=False, **options)
+    assert cached == fresh
+    if not options:
+        assert cached == [a.tolist() for a in jaxkv.generate(llama, some, 8)[0]]
+
+
+def test_a_batch_holds_what_its_rows_need(llama):
+    """One long prompt among short ones: the pool holds the longest rows in flight at once,
+    a fraction of batch_size x capacity, and the answers are generate's."""
+    lengths = [100, 5, 7, 3, 9, 4, 6, 8]
+    tokens = np.asarray(random_tokens(13, (len(lengths), 100)))
+    some = [tokens[i, :n].tolist() for i, n in enumerate(lengths)]
+    s = batching.Schedule(llama, some, 4, 8)
+    assert s.paging.pool.blocks * 16 <= 0.25 * 8 * s.capacity  # 14 blocks: 224 of 1024 slots
+    got = jaxkv.generate_many(llama, some, 4, batch_size=8)
+    assert got == [a.tolist() for a in jaxkv.generate(llama, some, 4)[0]]
+
+
+def test_a_small_pool_makes_prompts_wait_and_a_generator_grows_it(llama):
+    """cache_tokens for about two rows of four: prompts wait for rows to end; a generator
+    without cache_tokens starts with one row's blocks and doubles them as rows need: the
+    answers are the reference's either way."""
+    want = reference(llama)
+    assert jaxkv.generate_many(llama, prompts(), BUDGETS, batch_size=4, eos_id=EOS,
+                               cache_tokens=256) == want
+    assert jaxkv.generate_many(llama, iter(prompts()), BUDGETS, batch_size=4, eos_id=EOS,
+                               max_len=112) == want
+
+
+def test_a_pool_too_small_for_a_prompt_is_named_before_any_work(llama, monkeypatch):
+    monkeypatch.setattr(batching, "admit", lambda *a, **k: pytest.fail("admitted"))
+    with pytest.raises(ValueError, match=r"prompts\[4\]: 90 tokens \+ max_new_tokens 6 need 6 "
+                                         r"blocks of 16; cache_tokens holds 5 \(80 tokens\)"):
+        jaxkv.generate_many(llama, prompts(), BUDGETS, cache_tokens=80)
+    with pytest.raises(ValueError, match="cache_tokens .* holds no block of 16 tokens"):
+        jaxkv.generate_many(llama, prompts(), BUDGETS, cache_tokens=8)

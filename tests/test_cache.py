@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.core.cache import with_table, write
+from jaxkv.core.cache import readable, with_table, write
 from jaxkv.ops.arrays import HalfKV, PagedKV
 from tests.conftest import TINY, random_tokens
 
@@ -92,7 +92,7 @@ def test_paged_layers_answer_as_unpaged_ones(request, backend, name, dtype):
     tokens_BT = np.asarray(random_tokens(3, (2, 22)))
     paged = jaxkv.init_cache(params, 2, 32, dtype, block_size=8, blocks=11)
     paged = with_table(paged, jnp.array([[7, 2, 10, 4], [0, 5, 1, 8]], jnp.int32))
-    assert [isinstance(x, PagedKV) for x in paged.k] == [
+    assert [isinstance(x, PagedKV) for x in readable(paged)[0]] == [
         i not in params.config.window_layers for i in range(3)]
     want = decode_all(params, jaxkv.init_cache(params, 2, 32, dtype), tokens_BT, 12)
     np.testing.assert_array_equal(decode_all(params, paged, tokens_BT, 12), want)
@@ -104,7 +104,7 @@ def test_rows_can_share_a_prompts_blocks(llama):
     tokens_BT = np.array(random_tokens(4, (2, 14)))
     tokens_BT[1, :8] = tokens_BT[0, :8]
     cache = jaxkv.init_cache(llama, 2, 16, block_size=8, blocks=3)
-    assert (cache.k[0].table == 3).all()  # fewer blocks than rows x max_len: none given
+    assert (cache.table == 3).all()  # fewer blocks than rows x max_len: none given
     cache = with_table(cache, jnp.array([[0, 1], [3, 3]], jnp.int32))  # row 1: none yet
     _, cache = jaxkv.prefill(llama, cache, tokens_BT[:1, :8].repeat(2, 0), [8, 1])
     cache = with_table(cache, jnp.array([[0, 1], [0, 2]], jnp.int32))
@@ -121,5 +121,5 @@ def test_bad_paging_is_named(llama):
         jaxkv.init_cache(llama, 2, 32, blocks=4)
     cache = with_table(jaxkv.init_cache(llama, 2, 32, block_size=8),
                        jnp.zeros((2, 4), jnp.float32))
-    with pytest.raises(TypeError, match=r"cache.k\[0\].table must be int32"):
+    with pytest.raises(TypeError, match=r"cache.table must be int32"):
         jaxkv.decode_step(llama, cache, jnp.array([1, 2]), jnp.array([0, 0]))

@@ -26,7 +26,9 @@ class KVCache:
 
     A global layer's slot s holds row b's position s. A window layer (config.window_layers) holds
     position p at slot p mod R, R = ring_size(config, capacity); ring_pos says which position each
-    ring slot holds, so the ring costs R slots however long the row grows.
+    ring slot holds, so the ring costs R slots however long the row grows. A paged cache's global
+    layers are pools of blocks [K, NB, P, H] that every row reads and writes through its row of
+    one block table (readable() gives them as jaxkv.ops.PagedKV).
     """
 
     k: tuple  # L x [B, K, S, H] (Int8KV, HalfKV); S = capacity in a global layer, R in a ring
@@ -36,15 +38,30 @@ class KVCache:
     cross_v: tuple | None = None  # L x [B, K, M, H] (Int8KV, HalfKV)
     cross_mask: jax.Array | None = None  # [B, M] bool; False at encoder padding
     capacity: int = struct.field(pytree_node=False, default=None)  # positions a row may hold
+    table: jax.Array | None = None  # [B, M] int32, paged only: row b's m-th block (NB+: none)
+    paged: tuple = struct.field(pytree_node=False, default=())  # per layer: a pool?
 
     @property
     def batch_size(self) -> int:
-        return self.k[0].shape[0]
+        return (self.table if self.table is not None else self.k[0]).shape[0]
 
     @property
     def dtype(self):
         """What the keys and values are stored as: a float dtype or int8."""
         return self.k[0].dtype
+
+
+def readable(cache: KVCache) -> tuple[tuple, tuple]:
+    """(k, v) layers as attention and writes take them: a paged layer as a PagedKV."""
+    read = lambda xs: tuple(PagedKV(x, cache.table) if paged else x  # noqa: E731
+                            for x, paged in zip(xs, cache.paged or [False] * len(xs)))
+    return read(cache.k), read(cache.v)
+
+
+def stored(cache: KVCache, k, v) -> KVCache:
+    """cache holding the (k, v) layers readable() gave, as written: a PagedKV's pool."""
+    keep = lambda xs: tuple(x.pool if isinstance(x, PagedKV) else x for x in xs)  # noqa: E731
+    return cache.replace(k=keep(k), v=keep(v))
 
 
 def ring_size(config, capacity: int) -> int | None:
@@ -60,32 +77,73 @@ def slots(config, layer: int, capacity: int) -> int:
 def empty(config, batch_size: int, capacity: int, dtype, block_size: int | None = None,
           blocks: int | None = None) -> KVCache:
     """An empty cache of batch_size rows of capacity positions, stored as dtype (arguments
-    checked by the caller: see decoder.init_cache). block_size: global layers are PagedKV, a pool
-    of `blocks` blocks of block_size slots (default: batch_size x capacity / block_size, each
-    row given its own in order); with fewer, every table starts empty (with_table fills it)."""
+    checked by the caller: see decoder.init_cache). block_size: global layers are pools of
+    `blocks` blocks of block_size slots (default: batch_size x capacity / block_size, each row
+    given its own in order); with fewer, the table starts empty (with_table fills it)."""
     B, K, H = batch_size, config.n_kv_heads, config.head_dim
-    M = None if block_size is None else capacity // block_size
-    NB = None if block_size is None else blocks or B * M
-    table = None if block_size is None else (
-        jnp.arange(B * M, dtype=jnp.int32).reshape(B, M) if NB >= B * M
-        else jnp.full((B, M), NB, jnp.int32))
+    paged = tuple(block_size is not None and i not in config.window_layers
+                  for i in range(config.n_layers))
+    table, NB = None, None
+    if block_size is not None:
+        M = capacity // block_size
+        NB = blocks or B * M
+        table = (jnp.arange(B * M, dtype=jnp.int32).reshape(B, M) if NB >= B * M
+                 else jnp.full((B, M), NB, jnp.int32))
 
-    def layer():
-        return [ops.empty_kv_layer((B, K, slots(config, i, capacity), H), dtype)
-                if block_size is None or i in config.window_layers else
-                PagedKV(ops.empty_kv_layer((K, NB, block_size, H), dtype), table)
-                for i in range(config.n_layers)]
+    def layers():
+        return tuple(ops.empty_kv_layer((K, NB, block_size, H) if paged[i] else
+                                        (B, K, slots(config, i, capacity), H), dtype)
+                     for i in range(config.n_layers))
     R = ring_size(config, capacity)
     ring_pos = None if R is None else jnp.full((batch_size, R), -1, jnp.int32)
-    return KVCache(k=tuple(layer()), v=tuple(layer()), ring_pos=ring_pos, capacity=capacity)
+    return KVCache(k=layers(), v=layers(), ring_pos=ring_pos, capacity=capacity, table=table,
+                   paged=paged if block_size is not None else ())
 
 
 def with_table(cache: KVCache, table_BM) -> KVCache:
-    """cache with every paged layer read and written through table_BM [B, M] (block ids of its
-    pool; the pool's block count or more: none)."""
-    def retabled(layers):
-        return tuple(x.replace(table=table_BM) if isinstance(x, PagedKV) else x for x in layers)
-    return cache.replace(k=retabled(cache.k), v=retabled(cache.v))
+    """cache with its paged layers read and written through table_BM [B, M] (block ids of the
+    pools; their block count or more: none)."""
+    return cache.replace(table=table_BM)
+
+
+def row_of(cache: KVCache, row) -> KVCache:
+    """Row `row` (traced) of the cache as a cache of one row; a paged layer keeps the whole pool
+    (the row's writes land in it), the table its row."""
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)  # noqa: E731
+    return _per_row(cache, lambda x: jax.tree.map(take, x))
+
+
+def with_row(cache: KVCache, row_cache: KVCache, row) -> KVCache:
+    """cache with row `row` replaced by row_cache (from row_of, then written): its pools whole."""
+    put = lambda x, x_1: jax.lax.dynamic_update_slice_in_dim(x, x_1, row, 0)  # noqa: E731
+    layers = lambda mine, theirs: tuple(  # noqa: E731
+        y if paged else jax.tree.map(put, x, y)
+        for x, y, paged in zip(mine, theirs, cache.paged or [False] * len(mine)))
+    rows = lambda x, y: None if x is None else put(x, y)  # noqa: E731
+    return cache.replace(k=layers(cache.k, row_cache.k), v=layers(cache.v, row_cache.v),
+                         ring_pos=rows(cache.ring_pos, row_cache.ring_pos),
+                         table=rows(cache.table, row_cache.table))
+
+
+def _per_row(cache, rows):
+    """cache with rows() applied to everything held per row (not the pools)."""
+    layers = lambda xs: tuple(x if paged else rows(x)  # noqa: E731
+                              for x, paged in zip(xs, cache.paged or [False] * len(xs)))
+    return cache.replace(k=layers(cache.k), v=layers(cache.v),
+                         ring_pos=None if cache.ring_pos is None else rows(cache.ring_pos),
+                         table=None if cache.table is None else rows(cache.table))
+
+
+def with_blocks(cache: KVCache, blocks: int) -> KVCache:
+    """cache with its pools grown to `blocks` blocks (the new ones empty; the table's "none",
+    the old count, becomes the new count)."""
+    old = next(x for x, paged in zip(cache.k, cache.paged) if paged).shape[1]
+    pad = lambda leaf: jnp.pad(leaf, [(0, 0), (0, blocks - old)] +  # noqa: E731
+                               [(0, 0)] * (leaf.ndim - 2))
+    grown = lambda xs: tuple(jax.tree.map(pad, x) if paged else x  # noqa: E731
+                             for x, paged in zip(xs, cache.paged))
+    return cache.replace(k=grown(cache.k), v=grown(cache.v),
+                         table=jnp.where(cache.table >= old, blocks, cache.table))
 
 
 def with_cross(cache: KVCache, cross_k, cross_v, mask_BM, dtype) -> KVCache:
@@ -149,7 +207,8 @@ def store(cache: KVCache, kv, slot_BT) -> KVCache:
     decoder.cached_pass returns them with write=False), stored at slot_BT [B, T] of every layer;
     slots outside [0, S) are dropped."""
     put = lambda layer, new_BKTH: write(layer, jnp.swapaxes(new_BKTH, 1, 2), slot_BT)  # noqa
-    return cache.replace(k=tuple(map(put, cache.k, kv[0])), v=tuple(map(put, cache.v, kv[1])))
+    k, v = readable(cache)
+    return stored(cache, tuple(map(put, k, kv[0])), tuple(map(put, v, kv[1])))
 
 
 def write(cache_BKSH, new_BTKH, slot_BT):

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.core import cache as cache_lib
 from jaxkv.core.cache import KVCache, ring_size, slots
 from jaxkv.ops.arrays import HALF_DTYPES, HalfKV, Int8KV, PagedKV
 
@@ -214,8 +215,9 @@ def cache_layout(config, cache, name: str = "cache"):
 
 
 def _layers(config, cache, fields, expected, name, layout):
+    readable = dict(zip(("k", "v"), cache_lib.readable(cache)))
     for field in fields:
-        arrays = getattr(cache, field)
+        arrays = readable.get(field, getattr(cache, field))
         if len(arrays) != config.n_layers:
             raise ValueError(f"{name}.{field} has {len(arrays)} layers; the model has "
                              f"{config.n_layers}")
@@ -231,8 +233,8 @@ def _stored(x, name: str):
     HalfKV (bfloat16 or float16 bits); or a PagedKV of one of them, with an int32 table."""
     if isinstance(x, PagedKV):
         if x.table.dtype != jnp.int32 or x.table.ndim != 2:
-            raise TypeError(f"{name}.table must be int32 [batch, blocks per row], got "
-                            f"{x.table.dtype} {tuple(x.table.shape)}")
+            raise TypeError(f"{name.split('.')[0]}.table must be int32 [batch, blocks per row], "
+                            f"got {x.table.dtype} {tuple(x.table.shape)}")
         x, name = x.pool, f"{name}.pool"
     if isinstance(x, Int8KV):
         if x.q.dtype != jnp.int8 or x.scale.dtype != jnp.float32:

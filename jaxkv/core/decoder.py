@@ -224,10 +224,10 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
                                                  slot_BT, kv_len)
     cross = None if cache.cross_k is None else (cache.cross_k, cache.cross_v, cache.cross_mask)
     shared = None if prefix is None else (prefix[0].k, prefix[0].v, *prefix[1:])
-    x_BTD, (k, v) = layers(params, x_BTD, pos_BT, None, bias, (cache.k, cache.v, *views), cross,
-                           shared, write)
+    x_BTD, (k, v) = layers(params, x_BTD, pos_BT, None, bias, (*cache_lib.readable(cache), *views),
+                           cross, shared, write)
     if write:
-        return x_BTD, cache.replace(k=k, v=v, ring_pos=ring_pos)
+        return x_BTD, cache_lib.stored(cache.replace(ring_pos=ring_pos), k, v)
     after_B1T1 = 0 * x_BTD[:, None, :, :1]
     return x_BTD, jax.tree.map(lambda x: x + after_B1T1.astype(x.dtype), (k, v))
 

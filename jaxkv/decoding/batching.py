@@ -18,14 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxkv.core import cache as cache_lib
 from jaxkv.core import checks
 from jaxkv.core.attention import causal_mask
 from jaxkv.core.cache import KVCache
 from jaxkv.core.decoder import cached_pass, init_cache, logits, prefill_padded
 from jaxkv.core.tracecount import count_trace
+from jaxkv.decoding import blocks as blocks_lib
 from jaxkv.decoding import rows as answers_lib
 from jaxkv.decoding import stops
-from jaxkv.decoding.prompts import capacity_for, eos_ids
+from jaxkv.decoding.prompts import PerPrompt, budget_list, eos_ids, sized
 from jaxkv.decoding.sampling import SamplingParams, base_key, row_keys, sampling_params
 from jaxkv.decoding.stops import StopStrings
 
@@ -59,38 +61,46 @@ class Scored:
 
 
 def empty_rows(params, batch_size: int, capacity: int, max_new_tokens: int,
-               stop_prefixes: int = 0, logprobs: int | None = None) -> Rows:
+               stop_prefixes: int = 0, logprobs: int | None = None, paging=None) -> Rows:
+    """paging: a blocks.Paging (the global layers then a pool of its size), or None."""
     B, V = batch_size, params.config.vocab_size
     answers = answers_lib.empty(B, max_new_tokens, stop_prefixes, seen_BV=jnp.zeros((B, V), bool),
                                 done_B=jnp.ones((B,), bool), logprobs=logprobs)
-    return Rows(init_cache(params, B, capacity), jnp.zeros((B, V), jnp.float32),
+    blocks = {} if paging is None else dict(block_size=paging.pool.size,
+                                            blocks=paging.pool.blocks)
+    return Rows(init_cache(params, B, capacity, **blocks), jnp.zeros((B, V), jnp.float32),
                 jnp.zeros((B,), jnp.int32), row_keys(None, B), jnp.zeros((B,), jnp.int32),
                 sampling_params(B), answers)
 
 
 @functools.partial(jax.jit, donate_argnames="rows")
-def admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampling) -> Rows:
-    """Prefills tokens_P[:length] into row `row` at positions start.. (start 0: a new prompt,
-    which forgets the row's last one). The row starts decoding once start + length is the
-    whole prompt, i.e. when called with its last piece: the caller says so through budget > 0.
-    key and sampling (scalars each) are the prompt's own."""
+def admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampling, first,
+          table_M=None, seen_V=None) -> Rows:
+    """Prefills tokens_P[:length] into row `row` at positions start.. (first: a new prompt's
+    first piece, which forgets the row's last prompt). The row starts decoding once start +
+    length is the whole prompt, i.e. when called with its last piece: the caller says so through
+    budget > 0. key and sampling (scalars each) are the prompt's own. A paged cache's row reads
+    and writes through table_M; seen_V: the prompt's tokens before start that the row did not
+    compute (read from blocks another prompt computed), for the repetition penalty."""
     count_trace("admit")
     with checks.trusted():  # row, start and length come from Schedule, which checked them
-        return _admit(params, rows, row, tokens_P, length, start, key, budget, sampling)
+        return _admit(params, rows, row, tokens_P, length, start, key, budget, sampling, first,
+                      table_M, seen_V)
 
 
-def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampling) -> Rows:
-    take = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)  # noqa: E731
-    cache_1 = jax.tree.map(take, rows.cache)
+def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampling, first,
+           table_M, seen_V) -> Rows:
+    cache_1 = cache_lib.row_of(rows.cache, row)
+    if table_M is not None:
+        cache_1 = cache_lib.with_table(cache_1, table_M[None])
     if cache_1.ring_pos is not None:  # a new prompt: the ring's positions are another row's
-        cache_1 = cache_1.replace(ring_pos=jnp.where(start == 0, -1, cache_1.ring_pos))
+        cache_1 = cache_1.replace(ring_pos=jnp.where(first, -1, cache_1.ring_pos))
     logits_1V, cache_1 = prefill_padded(params, cache_1, tokens_P[None], length[None],
                                         start[None])
-    put = lambda x, x_1: jax.lax.dynamic_update_slice_in_dim(x, x_1, row, 0)  # noqa: E731
     a = rows.answers
-    seen_V = answers_lib.prompt_seen(a.seen.shape[1], tokens_P[None], length[None])[0]
-    seen_V |= a.seen[row] & (start > 0)
-    return rows.replace(cache=jax.tree.map(put, rows.cache, cache_1),
+    before_V = jnp.where(first, False if seen_V is None else seen_V, a.seen[row])
+    seen_V = before_V | answers_lib.prompt_seen(a.seen.shape[1], tokens_P[None], length[None])[0]
+    return rows.replace(cache=cache_lib.with_row(rows.cache, cache_1, row),
                         logits=rows.logits.at[row].set(logits_1V[0]),
                         pos=rows.pos.at[row].set(start + length), keys=rows.keys.at[row].set(key),
                         budget=rows.budget.at[row].set(budget),
@@ -203,7 +213,8 @@ class Schedule:
     def __init__(self, params, prompts, max_new_tokens, batch_size, *, temperature=0.0,
                  top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                  eos_id=None, stop=None, tokenizer=None, max_len=None, indices=None,
-                 logprobs=None, limit=None):
+                 logprobs=None, block_size=16, cache_tokens=None, prefix_cache=True,
+                 limit=None):
         """limit: how an error names the cache's positions (default: max_len, the model's
         max_seq_len, or the cache's size, as the capacity came)."""
         c = self.config = params.config
@@ -228,36 +239,71 @@ class Schedule:
         if indices is not None and self.count is not None and len(indices) != self.count:
             raise ValueError(f"indices has {len(indices)} values for {self.count} prompts: "
                              "expected one per prompt")
+        self.paging = None
         work = ((i, ids, self.checked(i, ids)) for i, ids in enumerate(self.prompts))
-        self.queue = iter(list(work) if self.count is not None else work)  # a list: all now
+        work = list(work) if self.count is not None else work  # a list: all checked now
         if logprobs is not None and checks.int_arg(logprobs, "logprobs", 0) > c.vocab_size:
             raise ValueError(f"logprobs must be at most the vocabulary's {c.vocab_size} tokens, "
                              f"got {logprobs}")
+        self.paging = blocks_lib.paging_for(c, work, self.budgets, batch_size, self.capacity, block_size,
+                             cache_tokens, prefix_cache)
+        if self.paging is not None:
+            self.capacity = self.paging.per_row * self.paging.pool.size  # whole blocks
+            for i, _, ids in work if self.count is not None else ():
+                self.fits_pool(i, ids)
+        self.queue, self.waiting = iter(work), None
         self.rows = empty_rows(params, batch_size, self.capacity, self.N,
-                               self.stop.completes.shape[1], logprobs)
+                               self.stop.completes.shape[1], logprobs, self.paging)
         self.serving = [None] * batch_size  # row -> [prompt index, ids, ids prefilled, budget]
 
     def decode(self, steps: int):
         self.rows = decode(self.params, self.rows, self.eos_E, self.stop, jnp.int32(steps))
 
     def fill(self) -> bool:
-        """Gives every free row the next prompt; False once no row has work left."""
+        """Gives every free row the next prompt (a paged cache's pool permitting: a prompt it
+        cannot hold yet waits for rows to end, or for the pool to grow); False once no row has
+        work left."""
         for b, serving in enumerate(self.serving):
             if serving is None:
-                i, _, ids = next(self.queue, (None, None, None))
+                i, _, ids = self.waiting or next(self.queue, (None, None, None))
                 if i is None:
                     break
-                self.serve(b, i, ids)
+                self.waiting = None
+                while not self.serve(b, i, ids):
+                    if self.grow():
+                        continue
+                    if all(s is None for s in self.serving):  # (fits_pool rules this out)
+                        raise ValueError(f"prompts[{i}] cannot fit the cache's pool")
+                    self.waiting = (i, None, ids)
+                    return True
         return not all(s is None for s in self.serving)
+
+    def grow(self) -> bool:
+        """Doubles a growable pool, with the rows' cache; False where it may not grow (or no
+        row would free blocks: then the prompt cannot fit at all, which checks named)."""
+        blocks = None if self.paging is None else self.paging.grown()
+        if blocks is None:
+            return False
+        self.rows = self.rows.replace(cache=cache_lib.with_blocks(self.rows.cache, blocks))
+        return True
 
     def stop_admitting(self) -> bool:
         """No more prompts; whether rows are still at work."""
-        self.queue = iter(())
+        self.queue, self.waiting = iter(()), None
         return not all(s is None for s in self.serving)
 
-    def serve(self, row: int, i: int, ids, start: int = 0):
-        """Row `row` takes prompt i (ids checked), of which ids[:start] are in its cache."""
-        self.serving[row] = [i, ids, start, self.budgets(i)]
+    def serve(self, row: int, i: int, ids, start: int = 0) -> bool:
+        """Row `row` takes prompt i (ids checked), of which ids[:start] are in its cache (the
+        row's last prompt continued: Chat). A paged cache gives the row its blocks first, some
+        perhaps holding the prompt's beginning already; False if the pool cannot yet."""
+        fresh = 0 if start == 0 else None  # where the row forgets its last prompt
+        if self.paging is not None:
+            start = self.paging.take(row, ids, len(ids) + self.budgets(i))
+            if start is None:
+                return False
+            fresh = start
+        self.serving[row] = [i, ids, start, self.budgets(i), fresh]
+        return True
 
     def checked(self, i, ids, name=None):
         """Prompt i's ids, which must fit a row with its budget; its options must exist. name:
@@ -270,11 +316,23 @@ class Schedule:
         if n + budget > self.capacity:
             raise ValueError(f"{name}: {n} tokens + max_new_tokens {budget} = "
                              f"{n + budget} positions, more than {self.limit}")
+        if self.paging is not None:
+            self.fits_pool(i, ids, name)
         self.sampling(i)
         if self.indices is not None and i >= len(self.indices):
             raise ValueError(f"indices has {len(self.indices)} values, but there are more "
                              f"prompts (prompt {i})")
         return ids
+
+    def fits_pool(self, i: int, ids, name=None):
+        """A prompt and its budget must fit the whole pool where it cannot grow."""
+        p = self.paging
+        need = p.pool.need(len(ids) + self.budgets(i))
+        if not p.can_grow and need > p.pool.blocks:
+            raise ValueError(f"{name or f'prompts[{i}]'}: {len(ids)} tokens + max_new_tokens "
+                             f"{self.budgets(i)} need {need} blocks of {p.pool.size}; "
+                             f"cache_tokens holds {p.pool.blocks} ({p.pool.blocks * p.pool.size} "
+                             f"tokens)")
 
     def stream(self, steps: int) -> Iterator:
         """Row 0's prompt admitted, then its answer: lists of new ids, one per decode call."""
@@ -299,15 +357,26 @@ class Schedule:
         """One piece of every prompt being admitted."""
         for b, s in enumerate(self.serving):
             if s is not None and s[2] < len(s[1]):
-                i, ids, start, budget = s
+                i, ids, start, budget, fresh = s
                 piece = ids[start: start + PIECE]
                 s[2] = start + len(piece)
                 tokens_P = np.zeros((PIECE,), np.int32)
                 tokens_P[: len(piece)] = piece
+                paged = {} if self.paging is None else dict(
+                    table_M=self.paging.table(b), seen_V=self.seen_before(ids, start))
                 self.rows = admit(self.params, self.rows, jnp.int32(b), tokens_P,
                                   jnp.int32(len(piece)), jnp.int32(start), self.prompt_key(i),
                                   jnp.int32(budget if s[2] == len(ids) else 0),
-                                  self.sampling(i))
+                                  self.sampling(i), start == fresh, **paged)
+                if self.paging is not None and s[2] == len(ids):
+                    self.paging.remember(b, ids)
+
+    def seen_before(self, ids, start: int):
+        """[V] bool: the prompt's tokens before start (read from blocks another prompt
+        computed), which the repetition penalty counts."""
+        seen_V = np.zeros((self.config.vocab_size,), bool)
+        seen_V[ids[:start]] = True
+        return seen_V
 
     def prompt_key(self, i: int):
         return jax.random.fold_in(self.key, i if self.indices is None else self.indices[i])
@@ -321,6 +390,8 @@ class Schedule:
         tokens, logprob, top_ids, top_logprob = jax.device_get(
             (a.tokens, a.logprob, a.top_ids, a.top_logprob) if ended else (None,) * 4)
         for b in ended:
+            if self.paging is not None:
+                self.paging.give(b)
             n = t_B[b]
             ids = tokens[b, :n].tolist()
             if logprob is not None:
@@ -329,73 +400,6 @@ class Schedule:
                 ids = Scored(ids, logprob[b, :n].tolist(), top)
             yield self.serving[b][0], ids
             self.serving[b] = None
-
-
-class PerPrompt:
-    """Sampling options given for every prompt (a scalar) or one per prompt (a sequence):
-    prompt i's, as scalars."""
-
-    def __init__(self, count, **values):
-        """count: how many prompts there are (None: not known ahead)."""
-        self.lengths = {k: len(v) for k, v in values.items() if np.ndim(v) == 1}
-        for name, n in self.lengths.items():
-            if count is not None and n != count:
-                raise ValueError(f"{name} has {n} values for {count} prompts: expected one per "
-                                 "prompt, or one for all")
-        self.table = sampling_params(max(self.lengths.values(), default=1), **values)
-
-    def __call__(self, i: int) -> SamplingParams:
-        for name, n in self.lengths.items():
-            if i >= n:
-                raise ValueError(f"{name} has {n} values, but there are more prompts (prompt "
-                                 f"{i})")
-        return jax.tree.map(lambda x: x[i if self.lengths else 0], self.table)
-
-
-def budget_list(max_new_tokens, count=None):
-    """(prompt index -> max_new_tokens, the largest) from an int or one int per prompt (count of
-    them, when the number of prompts is known)."""
-    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
-        values = [checks.int_arg(n, f"max_new_tokens[{i}]") for i, n in enumerate(max_new_tokens)]
-        if not values:
-            raise ValueError("max_new_tokens is an empty list: expected one int per prompt")
-        if count is not None and len(values) != count:
-            raise ValueError(f"max_new_tokens has {len(values)} values for {count} prompts: "
-                             "expected one per prompt")
-
-        def budget(i):
-            if i >= len(values):
-                raise ValueError(f"max_new_tokens has {len(values)} values, but there are "
-                                 f"more prompts (prompt {i})")
-            return values[i]
-
-        return budget, max(values)
-    n = checks.int_arg(max_new_tokens, "max_new_tokens")
-    return lambda i: n, n
-
-
-def cache_capacity(config, prompts, max_new_tokens, max_len=None) -> int:
-    """The positions each row's cache holds for these prompts (see iter_many)."""
-    return sized(config, prompts, checks.bucket_len(budget_list(max_new_tokens)[1]), max_len)[1]
-
-
-def sized(config, prompts, N, max_len):
-    """(prompts, cache capacity): a list sizes it; other iterables need max_len."""
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
-        raise TypeError(f"prompts must be an iterable of token-id lists, got "
-                        f"{type(prompts).__name__}")
-    if max_len is not None:
-        capacity = capacity_for(config, 0, N, max_len)
-        if capacity > config.max_seq_len:
-            raise ValueError(f"max_len={capacity} exceeds the model's max_seq_len "
-                             f"({config.max_seq_len})")
-    elif isinstance(prompts, (list, tuple)):
-        longest = max((np.size(p) for p in prompts), default=1)
-        capacity = capacity_for(config, checks.bucket_len(longest), N)
-    else:
-        raise ValueError("prompts is an iterator, so generate_many cannot size the cache "
-                         "ahead: pass max_len (longest prompt + max_new_tokens)")
-    return prompts, capacity
 
 
 class Progress:

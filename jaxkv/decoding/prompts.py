@@ -1,10 +1,14 @@
 """What every decoding loop checks and prepares before it compiles: prompts (ragged lists or
 a padded array), cache capacity, end ids, padding, token masks and encoder inputs."""
 
+from collections.abc import Iterable
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.core import checks
+from jaxkv.decoding.sampling import SamplingParams, sampling_params
 
 
 def prepare_prompts(config, prompts, lengths=None):
@@ -124,3 +128,70 @@ def pad_value(config, pad_id, eos_id, eos_E) -> int:
         raise ValueError(f"pad_id = {pad_id} is not a token id: expected 0 <= id < vocab_size "
                          f"({config.vocab_size})")
     return pad_id
+
+
+class PerPrompt:
+    """Sampling options given for every prompt (a scalar) or one per prompt (a sequence):
+    prompt i's, as scalars."""
+
+    def __init__(self, count, **values):
+        """count: how many prompts there are (None: not known ahead)."""
+        self.lengths = {k: len(v) for k, v in values.items() if np.ndim(v) == 1}
+        for name, n in self.lengths.items():
+            if count is not None and n != count:
+                raise ValueError(f"{name} has {n} values for {count} prompts: expected one per "
+                                 "prompt, or one for all")
+        self.table = sampling_params(max(self.lengths.values(), default=1), **values)
+
+    def __call__(self, i: int) -> SamplingParams:
+        for name, n in self.lengths.items():
+            if i >= n:
+                raise ValueError(f"{name} has {n} values, but there are more prompts (prompt "
+                                 f"{i})")
+        return jax.tree.map(lambda x: x[i if self.lengths else 0], self.table)
+
+
+def budget_list(max_new_tokens, count=None):
+    """(prompt index -> max_new_tokens, the largest) from an int or one int per prompt (count of
+    them, when the number of prompts is known)."""
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        values = [checks.int_arg(n, f"max_new_tokens[{i}]") for i, n in enumerate(max_new_tokens)]
+        if not values:
+            raise ValueError("max_new_tokens is an empty list: expected one int per prompt")
+        if count is not None and len(values) != count:
+            raise ValueError(f"max_new_tokens has {len(values)} values for {count} prompts: "
+                             "expected one per prompt")
+
+        def budget(i):
+            if i >= len(values):
+                raise ValueError(f"max_new_tokens has {len(values)} values, but there are "
+                                 f"more prompts (prompt {i})")
+            return values[i]
+
+        return budget, max(values)
+    n = checks.int_arg(max_new_tokens, "max_new_tokens")
+    return lambda i: n, n
+
+
+def cache_capacity(config, prompts, max_new_tokens, max_len=None) -> int:
+    """The positions each row's cache holds for these prompts (see iter_many)."""
+    return sized(config, prompts, checks.bucket_len(budget_list(max_new_tokens)[1]), max_len)[1]
+
+
+def sized(config, prompts, N, max_len):
+    """(prompts, cache capacity): a list sizes it; other iterables need max_len."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be an iterable of token-id lists, got "
+                        f"{type(prompts).__name__}")
+    if max_len is not None:
+        capacity = capacity_for(config, 0, N, max_len)
+        if capacity > config.max_seq_len:
+            raise ValueError(f"max_len={capacity} exceeds the model's max_seq_len "
+                             f"({config.max_seq_len})")
+    elif isinstance(prompts, (list, tuple)):
+        longest = max((np.size(p) for p in prompts), default=1)
+        capacity = capacity_for(config, checks.bucket_len(longest), N)
+    else:
+        raise ValueError("prompts is an iterator, so generate_many cannot size the cache "
+                         "ahead: pass max_len (longest prompt + max_new_tokens)")
+    return prompts, capacity

@@ -27,7 +27,7 @@ class Chat:
         held = "max_len" if max_len else "its default cache"
         max_len = max_len or min(c.max_seq_len, 4096)
         self.eos_id = options.setdefault("eos_id", list(c.end_ids) or None)
-        self.schedule = Schedule(params, [], max_new_tokens, 1, max_len=max_len,
+        self.schedule = Schedule(params, [], max_new_tokens, 1, max_len=max_len, block_size=None,
                                  stop=self.stop or None, tokenizer=tokenizer,
                                  limit=f"the chat's {max_len} positions ({held})", **options)
         self.cached = []  # the ids the cache holds, position by position

@@ -208,7 +208,8 @@ def run_generate(args) -> None:
 
 def stream_answer(args, params, tokenizer, ids, began=None, load_s=0.0) -> list[int]:
     """Prints one prompt's answer as it is drawn, then a line of figures; returns its ids."""
-    from jaxkv.decoding.batching import cache_capacity, iter_tokens
+    from jaxkv.decoding.batching import iter_tokens
+    from jaxkv.decoding.prompts import cache_capacity
     from jaxkv.front.stream import Text
 
     ends = list(params.config.end_ids)
