@@ -9,11 +9,21 @@
                  float32 (the shipped GGUF, dequantized by each library). Results compared
                  (largest difference of a log-likelihood, greedy flags equal).
 
+  prefix         --prompts prompts sharing a few-shot prefix of --prefix-len tokens (the text's
+                 first), each ending in its own --question-len tokens, 16 new tokens each,
+                 greedy: generate_many with its prefix cache against prefix_cache=False (both
+                 compiled first on a few prompts); answers compared.
+  memory         64 rows of mixed lengths (one prompt of --longest tokens, 63 of 20 to 100), 16 new
+                 tokens: the paged pool generate_many sizes for them against the contiguous
+                 layout's batch x capacity slots; the answers (batch 16) against the contiguous
+                 layout's (block_size=None).
+
 Times are wall-clock seconds of the whole request list; jaxkv's is its second run (the first
 compiles; both recorded). Writes <out>.json and <out>.md naming the CPU.
 
   python scripts/bench_eval.py                      # 250 contexts: 1,000 requests (~5 min)
-  python scripts/bench_eval.py --contexts 4 --context-len 16 --out /tmp/bench_eval
+  python scripts/bench_eval.py --contexts 2 --context-len 16 --prompts 2 --prefix-len 32 \
+      --question-len 4 --cache-tokens 512 --longest 128 --out /tmp/bench_eval
 """
 
 import argparse
@@ -80,15 +90,59 @@ def bench_loglikelihood(args, params, tokenizer, path) -> dict:
                 batch_size=args.batch_size, hf_batch_size=args.hf_batch_size)
 
 
+def text_ids(tokenizer, n: int, at: int = 0) -> list[int]:
+    with open(TEXT, encoding="utf-8") as f:
+        return tokenizer.encode(f.read()[at:at + 8 * n]).ids[:n]
+
+
+def bench_prefix(args, params, tokenizer) -> dict:
+    prefix = text_ids(tokenizer, args.prefix_len)
+    prompts = [prefix + text_ids(tokenizer, args.question_len, 20_000 + 300 * i)
+               for i in range(args.prompts)]
+    run = lambda some, cache: jaxkv.generate_many(  # noqa: E731
+        params, some, 16, batch_size=16, prefix_cache=cache, cache_tokens=args.cache_tokens)
+    for cache in (True, False):
+        run(prompts[:2], cache)  # compiled (the pool is cache_tokens either way)
+    with_s, with_cache = seconds(lambda: run(prompts, True))
+    without_s, without = seconds(lambda: run(prompts, False))
+    return dict(prompts=args.prompts, prefix_len=len(prefix), question_len=args.question_len,
+                with_s=with_s, without_s=without_s, speedup=without_s / with_s,
+                answers_equal=with_cache == without)
+
+
+def bench_memory(params, tokenizer, longest: int) -> dict:
+    from jaxkv.decoding.batching import Schedule
+
+    rng = np.random.default_rng(3)
+    prompts = [text_ids(tokenizer, longest)] + [text_ids(tokenizer, int(n), 1000 * i)
+                                              for i, n in enumerate(rng.integers(20, 101, 63))]
+    paged = Schedule(params, prompts, 16, 64).paging
+    contiguous_slots = 64 * Schedule(params, prompts, 16, 64, block_size=None).capacity
+    pool_slots = paged.pool.blocks * paged.pool.size
+    ours = jaxkv.generate_many(params, prompts, 16, batch_size=16)
+    theirs = jaxkv.generate_many(params, prompts, 16, batch_size=16, block_size=None)
+    return dict(rows=64, longest=longest, pool_slots=pool_slots, contiguous_slots=contiguous_slots,
+                fraction=pool_slots / contiguous_slots, answers_equal=ours == theirs)
+
+
 def markdown(result) -> str:
-    r = result["loglikelihood"]
+    r, p, m = result["loglikelihood"], result["prefix"], result["memory"]
     return "\n".join([
         f"# bench_eval on {result['cpu']}", "",
         "| work | requests | jaxkv s (first) | lm-eval HF s | speed-up | max diff | greedy "
         "equal |", "|---|--:|--:|--:|--:|--:|---|",
         f"| loglikelihood, {r['contexts']} contexts of {r['context_len']} tokens x 4 choices | "
         f"{r['requests']} | {r['jaxkv_s']:.2f} ({r['jaxkv_first_s']:.2f}) | {r['hf_s']:.2f} | "
-        f"{r['speedup']:.2f}x | {r['max_abs_diff']:.1e} | {r['greedy_equal']} |", ""])
+        f"{r['speedup']:.2f}x | {r['max_abs_diff']:.1e} | {r['greedy_equal']} |", "",
+        "| work | with the prefix cache s | without s | speed-up | answers equal |",
+        "|---|--:|--:|--:|---|",
+        f"| {p['prompts']} prompts: a {p['prefix_len']}-token prefix + {p['question_len']} "
+        f"tokens, 16 new | {p['with_s']:.1f} | {p['without_s']:.1f} | {p['speedup']:.2f}x | "
+        f"{p['answers_equal']} |", "",
+        "| work | paged pool slots | contiguous slots | fraction | answers equal |",
+        "|---|--:|--:|--:|---|",
+        f"| {m['rows']} rows, one of {m['longest']} tokens, 63 of 20-100 | {m['pool_slots']} | "
+        f"{m['contiguous_slots']} | {m['fraction']:.3f} | {m['answers_equal']} |", ""])
 
 
 def main():
@@ -97,12 +151,20 @@ def main():
     ap.add_argument("--context-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=16, help="jaxkv's contexts at once")
     ap.add_argument("--hf-batch-size", type=int, default=16, help="the harness's requests at once")
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--question-len", type=int, default=32)
+    ap.add_argument("--cache-tokens", type=int, default=16 * 1104,
+                    help="the pool of both prefix runs (so one compile serves each)")
+    ap.add_argument("--longest", type=int, default=2048, help="the memory cell's long prompt")
     ap.add_argument("--out", default=f"{results_dir()}/bench_eval")
     args = ap.parse_args()
     path = jaxkv.default_model()
     params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)
     result = dict(cpu=cpu_name(), model=os.path.basename(path),
-                  loglikelihood=bench_loglikelihood(args, params, tokenizer, path))
+                  loglikelihood=bench_loglikelihood(args, params, tokenizer, path),
+                  prefix=bench_prefix(args, params, tokenizer),
+                  memory=bench_memory(params, tokenizer, args.longest))
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(args.out + ".md", "w") as f:
