@@ -186,7 +186,7 @@ def test_help_shows_defaults_and_every_sampling_flag():
     help_text = " ".join(cli.parser()._subparsers._group_actions[0].choices["generate"]
                          .format_help().split())
     for flag in ("--min-p", "--repetition-penalty", "--stop", "--dtype", "--batch-size",
-                 "--input", "--output", "--compile-cache"):
+                 "--input", "--output", "--compile-cache", "--logprobs", "--no-prefix-cache"):
         assert flag in help_text
     assert "(default: 256)" in help_text and "(default: float32)" in help_text
     assert "(default: None)" not in help_text  # --model names its default in its own words

@@ -246,7 +246,7 @@ def run_file(args, path, params, tokenizer) -> None:
     n = jsonl.answer_file(params, tokenizer, encode, args.input, args.output, args.max_new_tokens,
                           stop_ids=list(params.config.end_ids), stop=args.stop,
                           seed=args.seed, batch_size=args.batch_size, progress=True,
-                          logprobs=args.logprobs,
+                          logprobs=args.logprobs, prefix_cache=not args.no_prefix_cache,
                           **{k: v for k, v in sampling_options(args).items() if k != "key"})
     status(f"{n} answered, {args.output} complete")
 
@@ -376,6 +376,8 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch-size", type=int, default=16, help="rows decoded together (--input)")
     gen.add_argument("--logprobs", type=int, default=None, metavar="K",
                      help="(--input) write each token's log-probability and the K likeliest")
+    gen.add_argument("--no-prefix-cache", action="store_true",
+                     help="(--input) compute every prompt whole, even where prompts begin alike")
     chat = sub.add_parser("chat", formatter_class=defaults,
                           help="an interactive conversation whose KV cache is kept between turns")
     add_model_flags(chat)
