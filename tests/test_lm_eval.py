@@ -5,12 +5,11 @@ from JaxkvLM equal those from the harness's own Hugging Face backend on the same
 
 import json
 
+import lm_eval  # the test extra installs it
 import numpy as np
 import pytest
 
 from tests.conftest import HF_TINY, char_tokenizer
-
-lm_eval = pytest.importorskip("lm_eval")  # the test extra installs it: CI never skips this
 
 QUESTIONS = [
     {"question": "The sky is", "choices": [" blue", " green", " loud"], "label": 0},
