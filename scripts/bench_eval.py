@@ -13,7 +13,7 @@
                  first), each ending in its own --question-len tokens, 16 new tokens each,
                  greedy: generate_many with its prefix cache against prefix_cache=False (both
                  compiled first on a few prompts); answers compared.
-  memory         64 rows of mixed lengths (one prompt of --longest tokens, 63 of 20 to 100), 16 new
+  memory         --rows rows of mixed lengths (one of --longest tokens, the rest of 20 to 100), 16 new
                  tokens: the paged pool generate_many sizes for them against the contiguous
                  layout's batch x capacity slots; the answers (batch 16) against the contiguous
                  layout's (block_size=None).
@@ -23,7 +23,7 @@ compiles; both recorded). Writes <out>.json and <out>.md naming the CPU.
 
   python scripts/bench_eval.py                      # 250 contexts: 1,000 requests (~5 min)
   python scripts/bench_eval.py --contexts 2 --context-len 16 --prompts 2 --prefix-len 32 \
-      --question-len 4 --cache-tokens 512 --longest 128 --out /tmp/bench_eval
+      --question-len 4 --cache-tokens 512 --longest 128 --rows 4 --out /tmp/bench_eval
 """
 
 import argparse
@@ -110,18 +110,19 @@ def bench_prefix(args, params, tokenizer) -> dict:
                 answers_equal=with_cache == without)
 
 
-def bench_memory(params, tokenizer, longest: int) -> dict:
+def bench_memory(params, tokenizer, longest: int, rows: int) -> dict:
     from jaxkv.decoding.batching import Schedule
 
     rng = np.random.default_rng(3)
+    lengths = rng.integers(20, 101, rows - 1)
     prompts = [text_ids(tokenizer, longest)] + [text_ids(tokenizer, int(n), 1000 * i)
-                                              for i, n in enumerate(rng.integers(20, 101, 63))]
-    paged = Schedule(params, prompts, 16, 64).paging
-    contiguous_slots = 64 * Schedule(params, prompts, 16, 64, block_size=None).capacity
+                                              for i, n in enumerate(lengths)]
+    paged = Schedule(params, prompts, 16, rows).paging
+    contiguous_slots = rows * Schedule(params, prompts, 16, rows, block_size=None).capacity
     pool_slots = paged.pool.blocks * paged.pool.size
     ours = jaxkv.generate_many(params, prompts, 16, batch_size=16)
     theirs = jaxkv.generate_many(params, prompts, 16, batch_size=16, block_size=None)
-    return dict(rows=64, longest=longest, pool_slots=pool_slots, contiguous_slots=contiguous_slots,
+    return dict(rows=rows, longest=longest, pool_slots=pool_slots, contiguous_slots=contiguous_slots,
                 fraction=pool_slots / contiguous_slots, answers_equal=ours == theirs)
 
 
@@ -141,7 +142,8 @@ def markdown(result) -> str:
         f"{p['answers_equal']} |", "",
         "| work | paged pool slots | contiguous slots | fraction | answers equal |",
         "|---|--:|--:|--:|---|",
-        f"| {m['rows']} rows, one of {m['longest']} tokens, 63 of 20-100 | {m['pool_slots']} | "
+        f"| {m['rows']} rows, one of {m['longest']} tokens, the rest of 20-100 | "
+        f"{m['pool_slots']} | "
         f"{m['contiguous_slots']} | {m['fraction']:.3f} | {m['answers_equal']} |", ""])
 
 
@@ -157,6 +159,7 @@ def main():
     ap.add_argument("--cache-tokens", type=int, default=16 * 1104,
                     help="the pool of both prefix runs (so one compile serves each)")
     ap.add_argument("--longest", type=int, default=2048, help="the memory cell's long prompt")
+    ap.add_argument("--rows", type=int, default=64, help="the memory cell's rows")
     ap.add_argument("--out", default=f"{results_dir()}/bench_eval")
     args = ap.parse_args()
     path = jaxkv.default_model()
@@ -164,7 +167,7 @@ def main():
     result = dict(cpu=cpu_name(), model=os.path.basename(path),
                   loglikelihood=bench_loglikelihood(args, params, tokenizer, path),
                   prefix=bench_prefix(args, params, tokenizer),
-                  memory=bench_memory(params, tokenizer, args.longest))
+                  memory=bench_memory(params, tokenizer, args.longest, args.rows))
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(args.out + ".md", "w") as f:

@@ -79,9 +79,9 @@ WINDOWED = jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=96, sliding_window=8
                               window_layers=(0, 2), **TINY)
 
 
-@pytest.mark.parametrize("backend", ["default", "xla"])
-@pytest.mark.parametrize("name, dtype", [("llama", jnp.float32), ("llama", jnp.bfloat16),
-                                         ("llama", jnp.int8), ("windowed", jnp.float32)])
+@pytest.mark.parametrize("backend, name, dtype", [
+    ("default", "llama", jnp.float32), ("default", "llama", jnp.int8),
+    ("default", "windowed", jnp.float32), ("xla", "llama", jnp.bfloat16)])
 def test_paged_layers_answer_as_unpaged_ones(request, backend, name, dtype):
     """Blocks of 8 slots in a shuffled order, with blocks no row owns: every logit of a prefill
     and 10 decode steps equals the unpaged cache's; window layers keep their rings."""

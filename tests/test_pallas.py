@@ -114,23 +114,21 @@ def test_jaxkvs_kernel_equals_the_reference(target, int8, softcap):
 
 
 @pytest.mark.parametrize("pallas_backend, name, kv_dtype", [
-    ("gpu", "llama_gqa", jnp.float32), ("gpu", "llama_gqa", jnp.bfloat16),
-    ("gpu", "llama_mqa", jnp.int8), ("gpu", "gemma3_like", jnp.float32),
-    ("gpu", "gemma3_like", jnp.int8), ("gpu", "capped", jnp.float32),
-    ("tpu", "llama_gqa", jnp.bfloat16), ("tpu", "gemma3_like", jnp.int8),
-    ("tpu", "capped", jnp.float32)], indirect=["pallas_backend"])
+    ("gpu", "llama_gqa", jnp.float32), ("gpu", "gemma3_like", jnp.int8),
+    ("gpu", "capped", jnp.float32), ("tpu", "gemma3_like", jnp.int8)],
+    indirect=["pallas_backend"])
 def test_models_decode_as_the_reference(pallas_backend, monkeypatch, name, kv_dtype):
     config = MODELS[name]
     params = jaxkv.init_params(config, jax.random.key(2))
     prompts = [random_tokens(3, (20,)).tolist(), random_tokens(4, (5,)).tolist()]
-    ours = jaxkv.generate(params, prompts, 24, kv_dtype=kv_dtype)
+    ours = jaxkv.generate(params, prompts, 12, kv_dtype=kv_dtype)
     cache = jaxkv.init_cache(params, 2, 48, kv_dtype)
     tokens_BT = np.array([prompts[0][:8], prompts[1] + [0] * 3])
     _, cache = jaxkv.prefill(params, cache, tokens_BT, [8, 5])
     step = jax.jit(jaxkv.decode_step)(params, cache, jnp.array([7, 8]), jnp.array([8, 5]))[0]
     monkeypatch.setenv("JAXKV_OPS", "xla")
     jax.clear_caches()
-    theirs = jaxkv.generate(params, prompts, 24, kv_dtype=kv_dtype)
+    theirs = jaxkv.generate(params, prompts, 12, kv_dtype=kv_dtype)
     want = jax.jit(jaxkv.decode_step)(params, cache, jnp.array([7, 8]), jnp.array([8, 5]))[0]
     np.testing.assert_array_equal(ours[0], theirs[0])
     np.testing.assert_allclose(step, want, atol=1e-5 if kv_dtype != jnp.bfloat16 else 1e-2)

@@ -31,7 +31,8 @@ RUNS = {
     "bench_commits": ["--old", "HEAD", "--new", "HEAD", "--model", "tiny", "--dtypes", "int8",
                       "--rounds", "1", "--repeats", "1"],
     "bench_eval": ["--contexts", "2", "--context-len", "16", "--prompts", "2", "--prefix-len",
-                   "32", "--question-len", "4", "--cache-tokens", "512", "--longest", "128"],
+                   "32", "--question-len", "4", "--cache-tokens", "512", "--longest", "128",
+                   "--rows", "4"],
     "check_int8_hlo": ["--dtypes", "int8", "--batches", "1", "--blocks", "32", "--new-tokens",
                        "2", "--prompt-len", "4"],
 }
