@@ -45,7 +45,6 @@ from jaxkv.front import chat, jsonl, transcribe  # noqa: E402
 from jaxkv.training import train  # noqa: E402
 
 
-
 def __getattr__(name):
     """jaxkv.lm_eval (the lm-evaluation-harness model) imports the harness: only when used."""
     if name == "lm_eval":

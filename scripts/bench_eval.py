@@ -13,7 +13,8 @@
                  first), each ending in its own --question-len tokens, 16 new tokens each,
                  greedy: generate_many with its prefix cache against prefix_cache=False (both
                  compiled first on a few prompts); answers compared.
-  memory         --rows rows of mixed lengths (one of --longest tokens, the rest of 20 to 100), 16 new
+  memory         --rows rows of mixed lengths (one of --longest tokens, the rest of 20 to 100),
+                 16 new
                  tokens: the paged pool generate_many sizes for them against the contiguous
                  layout's batch x capacity slots; the answers (batch 16) against the contiguous
                  layout's (block_size=None).
@@ -122,7 +123,8 @@ def bench_memory(params, tokenizer, longest: int, rows: int) -> dict:
     pool_slots = paged.pool.blocks * paged.pool.size
     ours = jaxkv.generate_many(params, prompts, 16, batch_size=16)
     theirs = jaxkv.generate_many(params, prompts, 16, batch_size=16, block_size=None)
-    return dict(rows=rows, longest=longest, pool_slots=pool_slots, contiguous_slots=contiguous_slots,
+    return dict(rows=rows, longest=longest, pool_slots=pool_slots,
+                contiguous_slots=contiguous_slots,
                 fraction=pool_slots / contiguous_slots, answers_equal=ours == theirs)
 
 

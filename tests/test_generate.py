@@ -143,7 +143,8 @@ def test_array_prompts_with_lengths(llama):
     ([[1]], dict(top_k=2.5), "top_k must be an int"),
     ([[1]], dict(min_p=2.0), r"min_p must be in \[0, 1\]"),
     ([[1]], dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
-    ([[1], [2]], dict(temperature=[0.1, 0.2, 0.3]), r"temperature must be a scalar or have shape \(2,\)"),
+    ([[1], [2]], dict(temperature=[0.1, 0.2, 0.3]),
+     r"temperature must be a scalar or have shape \(2,\)"),
     ([[1]], dict(key=jax.random.split(jax.random.key(0), 3)), "key must be one key or 1 keys"),
 ])
 def test_generate_rejects_bad_input(llama, prompts, options, match):

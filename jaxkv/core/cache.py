@@ -51,10 +51,15 @@ class KVCache:
         return self.k[0].dtype
 
 
+def _pools(cache: KVCache) -> tuple:
+    """Per layer: whether it is a pool of a paged cache (a cache made unpaged has none)."""
+    return cache.paged or (False,) * len(cache.k)
+
+
 def readable(cache: KVCache) -> tuple[tuple, tuple]:
     """(k, v) layers as attention and writes take them: a paged layer as a PagedKV."""
-    read = lambda xs: tuple(PagedKV(x, cache.table) if paged else x  # noqa: E731
-                            for x, paged in zip(xs, cache.paged or [False] * len(xs)))
+    read = lambda xs: tuple(PagedKV(x, cache.table) if pool else x  # noqa: E731
+                            for x, pool in zip(xs, _pools(cache)))
     return read(cache.k), read(cache.v)
 
 
@@ -117,8 +122,7 @@ def with_row(cache: KVCache, row_cache: KVCache, row) -> KVCache:
     """cache with row `row` replaced by row_cache (from row_of, then written): its pools whole."""
     put = lambda x, x_1: jax.lax.dynamic_update_slice_in_dim(x, x_1, row, 0)  # noqa: E731
     layers = lambda mine, theirs: tuple(  # noqa: E731
-        y if paged else jax.tree.map(put, x, y)
-        for x, y, paged in zip(mine, theirs, cache.paged or [False] * len(mine)))
+        y if pool else jax.tree.map(put, x, y) for x, y, pool in zip(mine, theirs, _pools(cache)))
     rows = lambda x, y: None if x is None else put(x, y)  # noqa: E731
     return cache.replace(k=layers(cache.k, row_cache.k), v=layers(cache.v, row_cache.v),
                          ring_pos=rows(cache.ring_pos, row_cache.ring_pos),
@@ -127,8 +131,8 @@ def with_row(cache: KVCache, row_cache: KVCache, row) -> KVCache:
 
 def _per_row(cache, rows):
     """cache with rows() applied to everything held per row (not the pools)."""
-    layers = lambda xs: tuple(x if paged else rows(x)  # noqa: E731
-                              for x, paged in zip(xs, cache.paged or [False] * len(xs)))
+    layers = lambda xs: tuple(x if pool else rows(x)  # noqa: E731
+                              for x, pool in zip(xs, _pools(cache)))
     return cache.replace(k=layers(cache.k), v=layers(cache.v),
                          ring_pos=None if cache.ring_pos is None else rows(cache.ring_pos),
                          table=None if cache.table is None else rows(cache.table))
@@ -137,11 +141,11 @@ def _per_row(cache, rows):
 def with_blocks(cache: KVCache, blocks: int) -> KVCache:
     """cache with its pools grown to `blocks` blocks (the new ones empty; the table's "none",
     the old count, becomes the new count)."""
-    old = next(x for x, paged in zip(cache.k, cache.paged) if paged).shape[1]
+    old = next(x for x, pool in zip(cache.k, _pools(cache)) if pool).shape[1]
     pad = lambda leaf: jnp.pad(leaf, [(0, 0), (0, blocks - old)] +  # noqa: E731
                                [(0, 0)] * (leaf.ndim - 2))
-    grown = lambda xs: tuple(jax.tree.map(pad, x) if paged else x  # noqa: E731
-                             for x, paged in zip(xs, cache.paged))
+    grown = lambda xs: tuple(jax.tree.map(pad, x) if pool else x  # noqa: E731
+                             for x, pool in zip(xs, _pools(cache)))
     return cache.replace(k=grown(cache.k), v=grown(cache.v),
                          table=jnp.where(cache.table >= old, blocks, cache.table))
 

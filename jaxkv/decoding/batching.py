@@ -245,8 +245,8 @@ class Schedule:
         if logprobs is not None and checks.int_arg(logprobs, "logprobs", 0) > c.vocab_size:
             raise ValueError(f"logprobs must be at most the vocabulary's {c.vocab_size} tokens, "
                              f"got {logprobs}")
-        self.paging = blocks_lib.paging_for(c, work, self.budgets, batch_size, self.capacity, block_size,
-                             cache_tokens, prefix_cache)
+        self.paging = blocks_lib.paging_for(c, work, self.budgets, batch_size, self.capacity,
+                                            block_size, cache_tokens, prefix_cache)
         if self.paging is not None:
             self.capacity = self.paging.per_row * self.paging.pool.size  # whole blocks
             for i, _, ids in work if self.count is not None else ():
@@ -254,7 +254,9 @@ class Schedule:
         self.queue, self.waiting = iter(work), None
         self.rows = empty_rows(params, batch_size, self.capacity, self.N,
                                self.stop.completes.shape[1], logprobs, self.paging)
-        self.serving = [None] * batch_size  # row -> [prompt index, ids, ids prefilled, budget]
+        # row -> [prompt index, ids, ids prefilled, budget, where the row forgets its last
+        # prompt (None: it continues it, as Chat's turns do)]
+        self.serving = [None] * batch_size
 
     def decode(self, steps: int):
         self.rows = decode(self.params, self.rows, self.eos_E, self.stop, jnp.int32(steps))

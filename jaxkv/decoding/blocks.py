@@ -27,7 +27,6 @@ class BlockPool:
         self.by_key: dict[bytes, int] = {}  # a prompt's text up to a block's end -> that block
         self.key_of: dict[int, bytes] = {}
         self.idle: OrderedDict[int, None] = OrderedDict()  # remembered, no row holds them
-        self.reused_tokens = 0  # prompt tokens read from remembered blocks, not computed
 
     def need(self, tokens: int) -> int:
         return -(-tokens // self.size)
@@ -46,9 +45,7 @@ class BlockPool:
         for b in reused:
             self.idle.pop(b, None)
             self.refs[b] += 1
-        taken = reused + [self._fresh() for _ in range(fresh)]
-        self.reused_tokens += len(reused) * self.size
-        return taken, len(reused) * self.size
+        return reused + [self._fresh() for _ in range(fresh)], len(reused) * self.size
 
     def remember(self, ids, blocks) -> None:
         """The prompt ids is computed into blocks: its full blocks can serve later prompts."""
@@ -155,10 +152,10 @@ def default_blocks(size: int, needs_tokens: list[int], rows: int) -> int:
 
 
 def paging_for(config, work, budgets, rows: int, capacity: int, block_size, cache_tokens,
-           prefix_cache: bool):
+               prefix_cache: bool):
     """The blocks.Paging of a Schedule (None: block_size None, or learned positions that whole
     blocks would pass). The pool: cache_tokens / block_size blocks; else, for a list of
-    prompts, what its rows largest needs hold at once; for an iterable, one row's worth,
+    prompts, what its `rows` largest needs hold at once; for an iterable, one row's worth,
     doubling as rows need it. Prompts share blocks unless prefix_cache is False or the model
     has window layers (a ring holds no block of a prompt)."""
     if block_size is None:
@@ -172,10 +169,9 @@ def paging_for(config, work, budgets, rows: int, capacity: int, block_size, cach
         if blocks < 1:
             raise ValueError(f"cache_tokens ({cache_tokens}) holds no block of {size} tokens")
     elif isinstance(work, list):
-        blocks = default_blocks(size, [len(ids) + budgets(i) for i, _, ids in work],
-                                           rows)
+        blocks = default_blocks(size, [len(ids) + budgets(i) for i, _, ids in work], rows)
     else:
         blocks = per_row
     share = bool(prefix_cache) and not config.window_layers
     return Paging(rows, per_row * size, size, blocks, share,
-                             grow=cache_tokens is None and not isinstance(work, list))
+                  grow=cache_tokens is None and not isinstance(work, list))

@@ -5,9 +5,9 @@ loglikelihood_rolling, for perplexity).
 Requests that share a context share its prefill: their continuations form a trie hanging off
 it (MultiDecode's forest pass), so the four choices of a multiple-choice question cost one
 context and the distinct tokens of the choices; a continuation's last token is predicted, never
-fed (as in the harness), so context + continuation may hold one token more than max_seq_len. Contexts are prefilled batch_size at a time,
-longest first (similar lengths share a batch, and the first batch tells at once whether the
-longest fit in memory).
+fed (as in the harness), so context + continuation may hold one token more than max_seq_len.
+Contexts are prefilled batch_size at a time, longest first (similar lengths share a batch, and
+the first batch tells at once whether the longest fit in memory).
 """
 
 from collections.abc import Sequence

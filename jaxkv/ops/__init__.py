@@ -106,6 +106,6 @@ def prefill_chunk(w_qkv, rows: int, tokens: int) -> int:
     return backend().prefill_chunk(w_qkv, rows, tokens)
 
 
-__all__ = ["HALF_DTYPES", "HalfKV", "Int8", "Int8KV", "PagedKV", "attention", "backend", "backend_name",
-           "empty_kv_layer", "kv_layer", "matmul", "materialized", "merge_parts", "placed",
-           "prefill_chunk"]
+__all__ = ["HALF_DTYPES", "HalfKV", "Int8", "Int8KV", "PagedKV", "attention", "backend",
+           "backend_name", "empty_kv_layer", "kv_layer", "matmul", "materialized", "merge_parts",
+           "placed", "prefill_chunk"]
