@@ -1,12 +1,17 @@
-"""Running past one device with JAX's own SPMD machinery: a Mesh with a data axis (batch rows)
-and a model axis (attention heads, MLP width, vocabulary), and NamedSharding for params and cache.
+"""Running past one device, and past one process, with JAX's own SPMD machinery: a Mesh with a
+data axis (batch rows) and a model axis (attention heads, MLP width, vocabulary), and
+NamedSharding for params and cache.
 
 The code that computes is unchanged: XLA's partitioner inserts the collectives. A dimension is
-split only where its size divides the mesh axis; otherwise it is replicated.
+split only where its size divides the mesh axis; otherwise it is replicated. A mesh may span
+processes (start_processes, one per host): every process then calls the same functions with the
+same arguments; `place` builds each array from the share its own devices hold, and `fetch` gives
+every process a whole result.
 """
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -25,13 +30,66 @@ _MODEL_AXIS = {
 }
 
 
+def start_processes(coordinator: str | None = None, num_processes: int | None = None,
+                    process_id: int | None = None, *, timeout_s: int = 60):
+    """Joins this process to the others of a job (jax.distributed.initialize; call it before
+    anything else touches JAX). Arguments as JAX's (None: from the cluster's environment, e.g.
+    SLURM or a TPU pod). On CPUs the processes exchange data through gloo. A process that dies
+    makes every other one exit within about timeout_s seconds with JAX's message naming it
+    ("tasks are unhealthy (stopped sending heartbeats)"), never hang."""
+    if not isinstance(timeout_s, int) or timeout_s < 1:
+        raise ValueError(f"timeout_s must be a whole number of seconds >= 1, got {timeout_s!r}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes, process_id,
+                               heartbeat_timeout_seconds=timeout_s,
+                               initialization_timeout=max(timeout_s, 60))
+
+
 def make_mesh(data: int, model: int, devices=None) -> Mesh:
-    """A (data, model) mesh over the first data * model devices."""
+    """A (data, model) mesh over the first data * model devices (every process's: jax.devices()
+    lists them process by process, so a model axis no longer than one process's devices keeps
+    each model's shards inside one process)."""
     devices = np.asarray(devices if devices is not None else jax.devices())
     if data * model > devices.size:
         raise ValueError(f"a {data}x{model} mesh needs {data * model} devices, found "
                          f"{devices.size}")
     return Mesh(devices.reshape(-1)[: data * model].reshape(data, model), (DATA, MODEL))
+
+
+def check_mesh(mesh, name: str = "mesh"):
+    """mesh must be a jax.sharding.Mesh with jaxkv's axes (or None)."""
+    if mesh is not None and not (isinstance(mesh, Mesh) and mesh.axis_names == (DATA, MODEL)):
+        raise TypeError(f"{name} must be a jax.sharding.Mesh with axes ('data', 'model') (see "
+                        f"jaxkv.make_mesh), got {type(mesh).__name__}"
+                        f"{getattr(mesh, 'axis_names', '')}")
+    return mesh
+
+
+def place(x, sharding: NamedSharding):
+    """x (a host value, or an array on this process's devices) as a global array laid out as
+    sharding says; on a mesh that spans processes each process builds only its devices' share
+    (every process must pass the same value)."""
+    if isinstance(x, jax.Array) and (sharding.is_fully_addressable or
+                                     not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(place(jax.random.key_data(x), sharding),
+                                        impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def fetch(tree):
+    """Every leaf whole, as numpy, on every process (a leaf split across processes is gathered:
+    every process must call this together)."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
 
 
 def _spec(ndim: int, axis, name: str | None):
@@ -54,29 +112,41 @@ def param_shardings(params, mesh: Mesh):
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """Rows over the data axis; kv heads ([B, K, S, H] leaves) over the model axis."""
-    def one(leaf):
-        spec = [_batch(leaf.shape[0], mesh)] + [None] * (leaf.ndim - 1)
-        if leaf.ndim == 4 and leaf.shape[1] % mesh.shape[MODEL] == 0:
-            spec[1] = MODEL
+    """Rows over the data axis; kv heads ([B, K, S, H] leaves, a paged cache's [K, NB, P, H]
+    pools: blocks are shared by rows) over the model axis."""
+    pools = cache.paged or (False,) * len(cache.k)
+
+    def one(leaf, pool=False):
+        if pool:
+            return NamedSharding(mesh, P(_split(leaf.shape[0], mesh, MODEL)))
+        spec = [_split(leaf.shape[0], mesh, DATA)] + [None] * (leaf.ndim - 1)
+        if leaf.ndim == 4:
+            spec[1] = _split(leaf.shape[1], mesh, MODEL)
         return NamedSharding(mesh, P(*spec))
 
-    return jax.tree.map(one, cache)
+    layers = lambda xs: tuple(jax.tree.map(lambda leaf: one(leaf, p), x)  # noqa: E731
+                              for x, p in zip(xs, pools))
+    rest = jax.tree.map(one, cache.replace(k=(), v=()))
+    return rest.replace(k=layers(cache.k), v=layers(cache.v))
 
 
-def _batch(size: int, mesh: Mesh):
-    return DATA if size % mesh.shape[DATA] == 0 else None
+def _split(size: int, mesh: Mesh, axis: str):
+    return axis if size % mesh.shape[axis] == 0 else None
 
 
 def shard_params(params, mesh: Mesh):
     """params placed on the mesh (heads / MLP width / vocabulary split over the model axis)."""
-    return jax.device_put(params, param_shardings(params, mesh))
+    return jax.tree.map(place, params, param_shardings(params, mesh))
 
 
-def shard_rows(x, mesh: Mesh):
-    """An array whose leading axis is batch rows, split over the data axis."""
-    return jax.device_put(x, NamedSharding(mesh, P(_batch(x.shape[0], mesh),
-                                                   *[None] * (x.ndim - 1))))
+def row_sharding(x, mesh: Mesh) -> NamedSharding:
+    """Leading axis (batch rows) over the data axis, the rest whole."""
+    return NamedSharding(mesh, P(_split(x.shape[0], mesh, DATA), *[None] * (x.ndim - 1)))
+
+
+def shard_rows(tree, mesh: Mesh):
+    """Every leaf's leading axis (batch rows) split over the data axis."""
+    return jax.tree.map(lambda x: place(x, row_sharding(x, mesh)), tree)
 
 
 def constrain_cache(cache, mesh: Mesh | None):
@@ -84,3 +154,10 @@ def constrain_cache(cache, mesh: Mesh | None):
     if mesh is None:
         return cache
     return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+
+
+def replicated(tree, mesh: Mesh | None):
+    """Inside jit: results every process reads whole (small ones: tokens, lengths, scores)."""
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P()))

@@ -23,6 +23,7 @@ from jaxkv.core import checks
 from jaxkv.core.attention import causal_mask
 from jaxkv.core.cache import KVCache
 from jaxkv.core.decoder import cached_pass, init_cache, logits, prefill_padded
+from jaxkv.core.sharding import cache_shardings, check_mesh, fetch, place, shard_params, shard_rows
 from jaxkv.core.tracecount import count_trace
 from jaxkv.decoding import blocks as blocks_lib
 from jaxkv.decoding import rows as answers_lib
@@ -71,6 +72,14 @@ def empty_rows(params, batch_size: int, capacity: int, max_new_tokens: int,
     return Rows(init_cache(params, B, capacity, **blocks), jnp.zeros((B, V), jnp.float32),
                 jnp.zeros((B,), jnp.int32), row_keys(None, B), jnp.zeros((B,), jnp.int32),
                 sampling_params(B), answers)
+
+
+def placed(rows: Rows, mesh) -> Rows:
+    """rows split over the mesh's data axis (the cache's kv heads over its model axis)."""
+    if mesh is None:
+        return rows
+    cache = jax.tree.map(place, rows.cache, cache_shardings(rows.cache, mesh))
+    return shard_rows(rows.replace(cache=None), mesh).replace(cache=cache)
 
 
 @functools.partial(jax.jit, donate_argnames="rows")
@@ -214,9 +223,11 @@ class Schedule:
                  top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                  eos_id=None, stop=None, tokenizer=None, max_len=None, indices=None,
                  logprobs=None, block_size=16, cache_tokens=None, prefix_cache=True,
-                 limit=None):
-        """limit: how an error names the cache's positions (default: max_len, the model's
-        max_seq_len, or the cache's size, as the capacity came)."""
+                 mesh=None, limit=None):
+        """mesh: rows over its data axis, the model over its model axis (a mesh may span
+        processes: every process then runs the same Schedule). limit: how an error names the
+        cache's positions (default: max_len, the model's max_seq_len, or the cache's size, as
+        the capacity came)."""
         c = self.config = params.config
         if c.is_encoder_decoder:
             raise ValueError("generate_many: encoder-decoder models are not supported (their "
@@ -232,7 +243,8 @@ class Schedule:
         self.sampling = PerPrompt(self.count, temperature=temperature, top_k=top_k, top_p=top_p,
                                   min_p=min_p, repetition_penalty=repetition_penalty)
         self.stop, self.eos_E = stops.tables(c, stop, tokenizer), eos_ids(c, eos_id)
-        self.params, self.key, self.indices = params, base_key(key), indices
+        self.params = params if check_mesh(mesh) is None else shard_params(params, mesh)
+        self.key, self.indices = base_key(key), indices
         if self.key.ndim != 0:
             raise ValueError(f"key must be one key (prompt i uses fold_in(key, i)), got key "
                              f"shape {self.key.shape}")
@@ -252,8 +264,8 @@ class Schedule:
             for i, _, ids in work if self.count is not None else ():
                 self.fits_pool(i, ids)
         self.queue, self.waiting = iter(work), None
-        self.rows = empty_rows(params, batch_size, self.capacity, self.N,
-                               self.stop.completes.shape[1], logprobs, self.paging)
+        self.rows = placed(empty_rows(params, batch_size, self.capacity, self.N,
+                                      self.stop.completes.shape[1], logprobs, self.paging), mesh)
         # row -> [prompt index, ids, ids prefilled, budget, where the row forgets its last
         # prompt (None: it continues it, as Chat's turns do)]
         self.serving = [None] * batch_size
@@ -344,7 +356,7 @@ class Schedule:
         while True:
             self.decode(steps)
             a = self.rows.answers
-            t_B, done_B, tokens_BN = jax.device_get((a.length, a.done, a.tokens))
+            t_B, done_B, tokens_BN = fetch((a.length, a.done, a.tokens))
             if t_B[0] > sent:
                 yield tokens_BN[0, sent: t_B[0]].tolist()
                 sent = t_B[0]
@@ -385,11 +397,11 @@ class Schedule:
 
     def harvest(self):
         """(prompt index, answer) of every decoding row that has ended; those rows go free."""
-        done_B, t_B = jax.device_get((self.rows.answers.done, self.rows.answers.length))
+        done_B, t_B = fetch((self.rows.answers.done, self.rows.answers.length))
         ended = [b for b, s in enumerate(self.serving)
                  if s is not None and s[2] == len(s[1]) and done_B[b]]
         a = self.rows.answers
-        tokens, logprob, top_ids, top_logprob = jax.device_get(
+        tokens, logprob, top_ids, top_logprob = fetch(
             (a.tokens, a.logprob, a.top_ids, a.top_logprob) if ended else (None,) * 4)
         for b in ended:
             if self.paging is not None:

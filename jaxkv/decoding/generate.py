@@ -13,7 +13,8 @@ from jax.experimental import io_callback
 from jaxkv.core import checks
 from jaxkv.core.cache import KVCache
 from jaxkv.core.decoder import decode_step, init_cache, prefill_padded
-from jaxkv.core.sharding import constrain_cache, shard_params, shard_rows
+from jaxkv.core.sharding import (check_mesh, constrain_cache, replicated, shard_params,
+                                 shard_rows)
 from jaxkv.core.tracecount import count_trace
 from jaxkv.decoding import rows, stops
 from jaxkv.decoding.prompts import (capacity_for, check_room, eos_ids, pad_value,
@@ -70,7 +71,7 @@ def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B
     more = lambda s: (jnp.max(s.answers.length) < max_new_tokens - 1) & ~jnp.all(  # noqa
         s.answers.done)
     state, _ = draw(jax.lax.while_loop(more, step, state))
-    return state.answers.tokens, state.answers.length
+    return replicated((state.answers.tokens, state.answers.length), mesh)
 
 
 def generate(params, prompts, max_new_tokens: int, **options):
@@ -142,13 +143,9 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
                          begin_suppress_ids, "begin_suppress_ids")
     encoder = padded_encoder_inputs(c, encoder_inputs, encoder_lengths, B)
     per_row = (tokens_BT, lengths_B, sampling, row_keys(key, B))
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh (see jaxkv.make_mesh), got "
-                        f"{type(mesh).__name__}")
-    if mesh is not None:
-        params = shard_params(params, mesh)
-        per_row = jax.tree.map(lambda x: shard_rows(x, mesh), per_row)
-        encoder = jax.tree.map(lambda x: shard_rows(x, mesh), encoder)
+    if check_mesh(mesh) is not None:
+        params, per_row, encoder = (shard_params(params, mesh), shard_rows(per_row, mesh),
+                                    shard_rows(encoder, mesh))
     args = (params, *per_row, eos_E, jnp.int32(pad_id), suppress_V, begin_V,
             stops.tables(c, stop, tokenizer), *encoder)
     on_token = None if on_token is None else RaisedInCallback(on_token)

@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.core import checks
+from jaxkv.core.sharding import check_mesh, fetch, shard_params
 from jaxkv.decoding.multidecode import check_positions, forest_pass, make_prefix, trie
 
 
 def loglikelihood_many(params, requests: Sequence, *, batch_size: int = 16,
-                       kv_dtype=None) -> list[tuple[float, bool]]:
+                       kv_dtype=None, mesh=None) -> list[tuple[float, bool]]:
     """For each request (context ids, continuation ids): (the continuation's summed
     log-probability given the context, whether greedy decoding from the context gives exactly
     the continuation), in the requests' order.
@@ -29,9 +30,13 @@ def loglikelihood_many(params, requests: Sequence, *, batch_size: int = 16,
     Every request is checked before anything is computed: a context and a continuation of at
     least one token each, ids of the vocabulary, both within the model's max_seq_len positions;
     errors name the request's index. batch_size: contexts prefilled at once. kv_dtype: the
-    caches' (init_cache's dtype)."""
+    caches' (init_cache's dtype). mesh: contexts over its data axis, the model over its model
+    axis (a mesh may span processes: every process passes the same requests and gets every
+    result)."""
     checks.int_arg(batch_size, "batch_size")
     pairs = checked_requests(params.config, requests)
+    if check_mesh(mesh) is not None:
+        params = shard_params(params, mesh)
     by_context: dict[tuple, list[int]] = {}
     for i, (context, _) in enumerate(pairs):
         by_context.setdefault(tuple(context.tolist()), []).append(i)
@@ -41,7 +46,7 @@ def loglikelihood_many(params, requests: Sequence, *, batch_size: int = 16,
         batch = contexts[start:start + batch_size]
         batch += [batch[-1]] * (batch_size - len(batch))  # one shape for every batch
         tries = [trie([pairs[i][1] for i in by_context[c]]) for c in batch]
-        logp, greedy = _score_tries(params, batch, tries, kv_dtype)
+        logp, greedy = _score_tries(params, batch, tries, kv_dtype, mesh)
         for b, context in enumerate(batch[:len(contexts) - start]):
             for i, path in zip(by_context[context], tries[b][2]):
                 results[i] = (float(logp[b, path].sum()), bool(greedy[b, path].all()))
@@ -74,10 +79,10 @@ def checked_requests(config, requests: Sequence) -> list[tuple[np.ndarray, np.nd
     return pairs
 
 
-def _score_tries(params, contexts, tries, kv_dtype):
+def _score_tries(params, contexts, tries, kv_dtype, mesh):
     """Per trie node (padded): its token's log-probability given its path and whether it is the
     argmax there; [B, N] numpy arrays. Only the nodes with children are fed to the model."""
-    prefix = make_prefix(params, [list(c) for c in contexts], kv_dtype=kv_dtype)
+    prefix = make_prefix(params, [list(c) for c in contexts], kv_dtype=kv_dtype, mesh=mesh)
     fed = [_fed(parents) for _, parents, _ in tries]
     check_positions(params, prefix, max(1, *(int(f[0].size) for f in fed)))
     # a trie with no inner node still gets one lone root (its logits unread): forests are not empty
@@ -91,7 +96,7 @@ def _score_tries(params, contexts, tries, kv_dtype):
     for b, ((tokens, _, _), (_, _, source)) in enumerate(zip(tries, fed)):
         tokens_BN[b, :tokens.size], source_BN[b, :source.size] = tokens, source
     logp, greedy = _node_scores(logits_BMV, prefix.logits, tokens_BN, source_BN)
-    return np.asarray(logp), np.asarray(greedy)
+    return fetch((logp, greedy))
 
 
 def _fed(parents):
@@ -143,11 +148,11 @@ def rolling_windows(tokens, prefix_id: int, max_len: int) -> list[tuple[list, li
 
 def loglikelihood_rolling(params, documents: Sequence, *, prefix_id: int | None = None,
                           max_len: int | None = None, batch_size: int = 16,
-                          kv_dtype=None) -> list[float]:
+                          kv_dtype=None, mesh=None) -> list[float]:
     """Each document's (token ids') total log-probability, every token predicted once, in
     windows of at most max_len positions (default the model's max_seq_len): see
     rolling_windows. prefix_id: what the first token is predicted after (default the model's
-    bos_id, else its eos_id)."""
+    bos_id, else its eos_id). mesh: as loglikelihood_many's."""
     c = params.config
     prefix_id = next((i for i in (prefix_id, c.bos_id, c.eos_id) if i is not None), None)
     if prefix_id is None:
@@ -167,6 +172,6 @@ def loglikelihood_rolling(params, documents: Sequence, *, prefix_id: int | None 
         owner += [d] * len(windows)
     totals = np.zeros(len(documents))
     for d, (logp, _) in zip(owner, loglikelihood_many(params, requests, batch_size=batch_size,
-                                                       kv_dtype=kv_dtype)):
+                                                       kv_dtype=kv_dtype, mesh=mesh)):
         totals[d] += logp
     return totals.tolist()

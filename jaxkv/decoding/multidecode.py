@@ -19,6 +19,7 @@ from flax import struct
 from jaxkv.core import checks
 from jaxkv.core.cache import KVCache
 from jaxkv.core.decoder import extend, init_cache, logits, prefill
+from jaxkv.core.sharding import cache_shardings, fetch, place
 from jaxkv.core.tracecount import count_trace
 from jaxkv.decoding.sampling import row_keys, sample, sampling_params
 
@@ -88,10 +89,12 @@ class Prefix:
         return self.cache, self.mask, jnp.max(self.length)
 
 
-def make_prefix(params, prompts, chunk_size: int | None = None, kv_dtype=None) -> Prefix:
+def make_prefix(params, prompts, chunk_size: int | None = None, kv_dtype=None,
+                mesh=None) -> Prefix:
     """Prefill prompts (one token list, or a list of them) once; chunk_size splits the prefill
     into several calls, giving the same cache. kv_dtype: the cache's (init_cache's dtype); the
-    caches of what hangs off the prefix (forests, branches, beams) take the same."""
+    caches of what hangs off the prefix (forests, branches, beams) take the same. mesh: the
+    prompts' rows split over its data axis (params already placed on it)."""
     _check_model(params)
     if isinstance(prompts, str) or len(prompts) == 0:
         raise ValueError(f"prefix must be token ids or a list of token-id lists, got "
@@ -106,6 +109,8 @@ def make_prefix(params, prompts, chunk_size: int | None = None, kv_dtype=None) -
     for b, r in enumerate(rows):
         tokens[b, : len(r)] = r
     cache = init_cache(params, len(rows), checks.bucket_len(T), kv_dtype)
+    if mesh is not None:
+        cache = jax.tree.map(place, cache, cache_shardings(cache, mesh))
     chunk = chunk_size or T
     last = np.zeros((len(rows), params.config.vocab_size), np.float32)
     for start in range(0, T, chunk):
@@ -113,7 +118,7 @@ def make_prefix(params, prompts, chunk_size: int | None = None, kv_dtype=None) -
         step_logits, cache = prefill(params, cache, tokens[:, start:start + chunk], piece,
                                      np.full(len(rows), start, np.int32))
         ends_here = (lengths > start) & (lengths <= start + chunk)
-        last[ends_here] = np.asarray(step_logits)[ends_here]
+        last[ends_here] = fetch(step_logits)[ends_here]
     return Prefix(cache, jnp.asarray(lengths), jnp.asarray(last))
 
 

@@ -39,6 +39,7 @@ from jaxkv.core.cache import store
 from jaxkv.core.decoder import decode_step, init_cache, prefill_padded
 from jaxkv.core.params import Params
 from jaxkv.core.tracecount import count_trace
+from jaxkv.core.sharding import check_mesh, replicated, shard_params, shard_rows
 from jaxkv.decoding import rows
 from jaxkv.decoding.drafts import (compact, draft_chains, kept_slots, lookup_chains,
                                    lookup_hindsight, tree_pass, tree_shape, walk)
@@ -278,10 +279,11 @@ def _live_first(s: _Rows, size: int) -> _Rows:
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "M", "Ds",
-                                             "kv_dtype"))
+                                             "kv_dtype", "mesh"))
 def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id, *,
-                      max_new_tokens: int, capacity: int, M: int, Ds: tuple, kv_dtype=None):
-    """Ds: n_draft at each of batch_sizes(B)."""
+                      max_new_tokens: int, capacity: int, M: int, Ds: tuple, kv_dtype=None,
+                      mesh=None):
+    """Ds: n_draft at each of batch_sizes(B); mesh: the results made whole on every device."""
     count_trace("speculative")
     s = _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id,
                max_new_tokens=max_new_tokens, capacity=capacity, M=M, Ds=Ds, kv_dtype=kv_dtype)
@@ -294,13 +296,14 @@ def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, e
                     capacity=capacity, M=M, D=D)
         results = tuple(x.at[s.row].set(y) for x, y in zip(
             results, (s.answers.tokens, s.answers.length, s.passes, s.accepted)))
-    tokens_BN, length_B, passes_B, accepted_B = results
+    tokens_BN, length_B, passes_B, accepted_B = replicated(results, mesh)
     return tokens_BN, length_B, Stats(passes_B, accepted_B)
 
 
 def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup", n_draft=None,
                          n_branches=1, temperature=0.0, top_k=None, top_p=None, min_p=None,
-                         key=None, eos_id=None, pad_id=None, max_len=None, kv_dtype=None):
+                         key=None, eos_id=None, pad_id=None, max_len=None, kv_dtype=None,
+                         mesh=None):
     """generate's result, in fewer passes of the target: (tokens [B, max_new_tokens], lengths
     [B], Stats).
 
@@ -310,8 +313,8 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
     anew as the batch shrinks; 8 for a draft model); n_branches: chains per round (M). Each
     pass scores 1 + M D tokens and commits 1 to D + 1 of them per row; rows draft only while
     it pays (ROW_COST). Defaults chosen with scripts/bench_speculative.py (SmolLM2 fp32): a
-    second branch cost more than it gained (2-core Xeon). Other options as generate's; tokens
-    and lengths equal generate's (greedy, and sampled with the same key).
+    second branch cost more than it gained (2-core Xeon). Other options as generate's (mesh
+    included); tokens and lengths equal generate's (greedy, and sampled with the same key).
     """
     c = params.config
     checks.linear_decoder(c, "speculative_generate")
@@ -332,10 +335,14 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
     sampling = sampling_params(B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     eos_E = eos_ids(c, eos_id)
     kv_dtype = None if kv_dtype is None else checks.kv_dtype(kv_dtype, "kv_dtype")
-    return _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, row_keys(key, B),
-                             eos_E, jnp.int32(pad_value(c, pad_id, eos_id, eos_E)),
+    per_row = (tokens_BT, lengths_B, sampling, row_keys(key, B))
+    if check_mesh(mesh) is not None:
+        params, per_row = shard_params(params, mesh), shard_rows(per_row, mesh)
+        dparams = dparams if dparams is None else shard_params(dparams, mesh)
+    return _speculative_loop(params, dparams, *per_row, eos_E,
+                             jnp.int32(pad_value(c, pad_id, eos_id, eos_E)),
                              max_new_tokens=max_new_tokens, capacity=capacity, M=M, Ds=Ds,
-                             kv_dtype=kv_dtype)
+                             kv_dtype=kv_dtype, mesh=mesh)
 
 
 def _capacity(c, dparams, lengths_B, T: int, max_new_tokens: int, max_len, M: int, D: int):

@@ -1,0 +1,86 @@
+"""Run by tests/test_processes.py as one of several processes (4 host devices each) joined by
+jaxkv.sharding.start_processes: generate, generate_many, loglikelihood_many and
+speculative_generate on meshes that span the processes, against the same calls run alone on
+this process's first device. Writes its results as JSON to OUT/process-PID.json.
+
+usage: processes_check.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import numpy as np  # noqa: E402
+
+import jaxkv  # noqa: E402
+from jaxkv.core.sharding import make_mesh, start_processes  # noqa: E402
+
+CONFIG = jaxkv.Config.llama(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                            d_ff=96, max_seq_len=128)
+PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2], [11], [3, 3, 60, 12, 40], [1, 2], [90, 91, 92, 93],
+           [17], [4, 4, 4, 4, 4, 4]]
+SHARED = [[6] * 20 + p for p in PROMPTS[:6]]  # a shared beginning: the prefix cache's blocks
+REQUESTS = [(c, x) for c in ([1, 2, 3], [9, 8, 7, 6, 5], [40]) for x in ([5], [6, 7], [8, 9, 10],
+                                                                          [11])]
+
+
+def meshes():
+    """Rows split across the processes (model within each), and the model split across them."""
+    devices = np.array(jax.devices())
+    across = devices.reshape(jax.process_count(), -1).T.reshape(-1)
+    return {"data across processes": make_mesh(4, 2),
+            "model across processes": make_mesh(4, 2, devices=across)}
+
+
+def run(params, mesh):
+    """Every job's results (lists and floats: what JSON keeps)."""
+    key = jax.random.key(1)
+    tokens, lengths = jaxkv.generate(params, PROMPTS, 10, mesh=mesh)
+    sampled, _ = jaxkv.generate(params, PROMPTS, 10, temperature=0.8, key=key, mesh=mesh)
+    many = jaxkv.generate_many(params, PROMPTS + SHARED, [6, 9] * 7, batch_size=4, mesh=mesh,
+                               temperature=0.7, key=key, logprobs=2)
+    spec, spec_lengths, _ = jaxkv.speculative_generate(params, PROMPTS, 10, mesh=mesh)
+    return {"generate": [np.asarray(tokens).tolist(), np.asarray(lengths).tolist()],
+            "sampled": np.asarray(sampled).tolist(),
+            "many": [a.ids for a in many], "many_logprobs": [a.logprobs for a in many],
+            "loglikelihood": jaxkv.loglikelihood_many(params, REQUESTS, batch_size=4, mesh=mesh),
+            "speculative": [np.asarray(spec).tolist(), np.asarray(spec_lengths).tolist()]}
+
+
+def compare(alone: dict, spread: dict) -> dict:
+    """Per job: equal tokens / greedy flags, and the largest log-probability difference."""
+    out = {k: alone[k] == spread[k] for k in ("generate", "sampled", "many", "speculative")}
+    out["loglikelihood_greedy"] = ([g for _, g in alone["loglikelihood"]] ==
+                                   [g for _, g in spread["loglikelihood"]])
+    out["logprob_error"] = max(
+        float(np.max(np.abs(np.subtract(a, b))))
+        for a, b in [(np.concatenate(alone["many_logprobs"]),
+                      np.concatenate(spread["many_logprobs"])),
+                     ([x for x, _ in alone["loglikelihood"]],
+                      [x for x, _ in spread["loglikelihood"]])])
+    return out
+
+
+def main(coordinator: str, num_processes: int, process_id: int, out: str):
+    start_processes(coordinator, num_processes, process_id, timeout_s=10)
+    params = jaxkv.init_params(CONFIG, jax.random.key(0))  # the same on every process
+    with jax.default_device(jax.local_devices()[0]):
+        alone = run(params, None)
+    results = {"process": jax.process_index(), "devices": jax.device_count(),
+               "local_devices": jax.local_device_count()}
+    for name, mesh in meshes().items():
+        spread = run(params, mesh)
+        results[name] = dict(compare(alone, spread), answers=spread["many"])
+    with open(os.path.join(out, f"process-{process_id}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
