@@ -1,16 +1,23 @@
-"""Run by tests/test_processes.py as one of several processes (4 host devices each) joined by
-jaxkv.sharding.start_processes: generate, generate_many, loglikelihood_many and
-speculative_generate on meshes that span the processes, against the same calls run alone on
-this process's first device. Writes its results as JSON to OUT/process-PID.json.
+"""Run by tests/test_processes.py as one of several processes joined by
+jaxkv.sharding.start_processes. Writes its results as JSON to OUT/process-PID.json.
 
-usage: processes_check.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT
+usage: processes_check.py jobs COORDINATOR NUM_PROCESSES PROCESS_ID OUT
+    (4 host devices each) generate, generate_many, loglikelihood_many and speculative_generate
+    on meshes that span the processes, against the same calls run alone on this process's
+    first device;
+usage: processes_check.py load COORDINATOR NUM_PROCESSES PROCESS_ID OUT CHECKPOINT...
+    (1 host device each) each checkpoint loaded with the model split across the processes:
+    its leaves against the whole checkpoint read alone, and the peak resident memory the
+    loading added.
 """
 
 import json
 import os
+import resource
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+DEVICES = {"jobs": 4, "load": 1}
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES[sys.argv[1]]}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -68,8 +75,7 @@ def compare(alone: dict, spread: dict) -> dict:
     return out
 
 
-def main(coordinator: str, num_processes: int, process_id: int, out: str):
-    start_processes(coordinator, num_processes, process_id, timeout_s=10)
+def jobs(out: str):
     params = jaxkv.init_params(CONFIG, jax.random.key(0))  # the same on every process
     with jax.default_device(jax.local_devices()[0]):
         alone = run(params, None)
@@ -78,9 +84,38 @@ def main(coordinator: str, num_processes: int, process_id: int, out: str):
     for name, mesh in meshes().items():
         spread = run(params, mesh)
         results[name] = dict(compare(alone, spread), answers=spread["many"])
-    with open(os.path.join(out, f"process-{process_id}.json"), "w") as f:
-        json.dump(results, f)
+    return results
+
+
+def peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def load(out: str, *checkpoints: str):
+    """Per checkpoint: the loaded leaves equal the ones read alone (each process's shares),
+    whether every big leaf is split, and the peak memory loading added over the checkpoint's
+    size on disk (the first load's: the peak only grows)."""
+    mesh = make_mesh(1, jax.device_count())
+    results = {}
+    for path in checkpoints:
+        before = peak_bytes()
+        params = jaxkv.load(path, mesh=mesh)
+        added = peak_bytes() - before
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path)
+                   for f in files)
+        whole = jaxkv.load(path)
+        same = all(np.array_equal(s.data, np.asarray(w)[s.index])
+                   for x, w in zip(jax.tree.leaves(params), jax.tree.leaves(whole))
+                   for s in x.addressable_shards)
+        results[path] = {"same": same, "added": added, "size": size,
+                         "embed_spec": str(params.embed.sharding.spec)}
+        del whole
+    return results
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    mode, coordinator, count, process_id, out, *rest = sys.argv[1:]
+    start_processes(coordinator, int(count), int(process_id), timeout_s=10)
+    results = {"jobs": jobs, "load": load}[mode](out, *rest)
+    with open(os.path.join(out, f"process-{process_id}.json"), "w") as f:
+        json.dump(results, f)

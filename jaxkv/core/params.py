@@ -88,8 +88,10 @@ class Params:
 
 
 def qkv_rows(config: Config, q, k, v):
-    """Fuse Q [N * H, ...], K and V [K * H, ...] (rows = heads x H) into wqkv's row order."""
-    K, G, H = config.n_kv_heads, config.group_size, config.head_dim
+    """Fuse Q [N * H, ...], K and V [K * H, ...] (rows = heads x H) into wqkv's row order (of
+    any whole number of kv heads: a model-axis share)."""
+    G, H = config.group_size, config.head_dim
+    K = k.shape[0] // H
     rest = q.shape[1:]
     parts = [q.reshape(K, G, H, *rest), k.reshape(K, 1, H, *rest), v.reshape(K, 1, H, *rest)]
     return np.concatenate(parts, axis=1).reshape(-1, *rest)
@@ -97,7 +99,8 @@ def qkv_rows(config: Config, q, k, v):
 
 def kv_rows(config: Config, k, v):
     """Fuse K and V [K * H, ...] into wkv's row order (per kv head: key, value)."""
-    K, H = config.n_kv_heads, config.head_dim
+    H = config.head_dim
+    K = k.shape[0] // H
     rest = k.shape[1:]
     return np.stack([k.reshape(K, H, *rest), v.reshape(K, H, *rest)], axis=1).reshape(-1, *rest)
 
@@ -174,6 +177,11 @@ class _Init:
             conv1_b=self.zeros(c.d_model, when=audio),
             conv2_w=self.normal(3, c.d_model, c.d_model) if audio else None,
             conv2_b=self.zeros(c.d_model, when=audio))
+
+
+def skeleton(config: Config, dtype=jnp.float32) -> Params:
+    """The params' shapes and dtypes (jax.ShapeDtypeStruct leaves), nothing computed."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
 
 
 def init_params(config: Config, key: jax.Array, dtype=jnp.float32) -> Params:

@@ -36,12 +36,14 @@ def start_processes(coordinator: str | None = None, num_processes: int | None = 
     anything else touches JAX). Arguments as JAX's (None: from the cluster's environment, e.g.
     SLURM or a TPU pod). On CPUs the processes exchange data through gloo. A process that dies
     makes every other one exit within about timeout_s seconds with JAX's message naming it
-    ("tasks are unhealthy (stopped sending heartbeats)"), never hang."""
+    ("tasks are unhealthy (stopped sending heartbeats)"), never hang; one that ends on an error
+    waits as long for the others at JAX's shutdown barrier, then all stop."""
     if not isinstance(timeout_s, int) or timeout_s < 1:
         raise ValueError(f"timeout_s must be a whole number of seconds >= 1, got {timeout_s!r}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes, process_id,
                                heartbeat_timeout_seconds=timeout_s,
+                               shutdown_timeout_seconds=timeout_s,
                                initialization_timeout=max(timeout_s, 60))
 
 
@@ -90,6 +92,21 @@ def fetch(tree):
         return np.asarray(x)
 
     return jax.tree.map(one, tree)
+
+
+def from_first_process(x) -> np.ndarray:
+    """Process 0's x (a host array of the same shape everywhere), on every process."""
+    return np.asarray(multihost_utils.broadcast_one_to_all(x))
+
+
+def same_on_every_process(x, what: str):
+    """Checks that every process holds the same x (a host array of one shape): else every
+    process raises the same error, naming what differs and where."""
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(x)))
+    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if differ:
+        raise ValueError(f"{what} differ between processes: process {differ[0]} does not hold "
+                         f"what process 0 holds (every process must be given the same)")
 
 
 def _spec(ndim: int, axis, name: str | None):

@@ -11,6 +11,7 @@ import os
 from jaxkv import ops
 from jaxkv.core import checks, quant
 from jaxkv.core.params import Params
+from jaxkv.core.sharding import check_mesh, shard_params
 from jaxkv.formats import locate
 from jaxkv.formats.ct2 import load_ct2_whisper
 from jaxkv.formats.gguf import load_gguf
@@ -18,7 +19,7 @@ from jaxkv.formats.hf import load_hf
 from jaxkv.formats.saved import MANIFEST, SAVED_CONFIG, load_saved
 
 
-def load(path, dtype=None, int8=False) -> Params:
+def load(path, dtype=None, int8=False, mesh=None) -> Params:
     """Params from a Hugging Face directory (config.json + *.safetensors: GPT-2, Llama, Qwen2,
     Qwen3, Mistral, Gemma 2, Gemma 3 (text), T5, Whisper), a .gguf file (llama, qwen2, qwen3,
     gemma2, gemma3), a CTranslate2 Whisper directory, a jaxkv.save directory, or a model name
@@ -31,6 +32,10 @@ def load(path, dtype=None, int8=False) -> Params:
     (jaxkv.quantize) -- so the result is an all-int8 model whatever the file holds.
     A jaxkv.save directory is checked against its manifest first (see load_saved); a file that
     is damaged or malformed is a CheckpointError naming it.
+    mesh (jaxkv.make_mesh; it may span processes, every one calling load): the params laid out
+    on it (heads, MLP width and vocabulary over its model axis), each process reading from a
+    Hugging Face directory or a jaxkv.save only its devices' shares (the others' formats are
+    read whole, then placed).
     """
     path = locate.resolve(path)
     if not os.path.exists(path):
@@ -39,21 +44,25 @@ def load(path, dtype=None, int8=False) -> Params:
         checks.float_dtype(dtype, "load: dtype")
     if not isinstance(int8, bool):
         raise TypeError(f"load: int8 must be True or False, got {int8!r}")
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return ops.placed(load_gguf(path, dtype, int8))
-    params = _load_other(path, dtype)
-    return quant.quantize(params) if int8 else ops.placed(params)
+    if check_mesh(mesh) is not None and int8:
+        raise ValueError("load: int8 with a mesh is not supported; load the float model on "
+                         "the mesh, or int8 on one process")
+    gguf = os.path.isfile(path) and path.endswith(".gguf")
+    params = load_gguf(path, dtype, int8) if gguf else _load_other(path, dtype, mesh)
+    if mesh is not None:
+        return shard_params(params, mesh)
+    return quant.quantize(params) if int8 and not gguf else ops.placed(params)
 
 
-def _load_other(path: str, dtype=None) -> Params:
+def _load_other(path: str, dtype=None, mesh=None) -> Params:
     """load's formats other than GGUF."""
     if any(os.path.isfile(os.path.join(path, name)) for name in (SAVED_CONFIG, MANIFEST)):
-        return load_saved(path, dtype)
+        return load_saved(path, dtype, mesh)
     if os.path.isfile(os.path.join(path, "model.bin")) and not glob.glob(
             os.path.join(path, "*.safetensors")):
         return load_ct2_whisper(path, dtype)
     if os.path.isfile(os.path.join(path, "config.json")):
-        return load_hf(path, dtype)
+        return load_hf(path, dtype, mesh)
     raise FileNotFoundError(f"load: {path!r} is neither a .gguf file nor a directory holding "
                             f"config.json (Hugging Face), model.bin (CTranslate2 Whisper) or "
                             f"{SAVED_CONFIG} (jaxkv.save)")

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxkv.core.config import Config
-from jaxkv.core.params import Params, init_params, path_name
+from jaxkv.core.params import Params, path_name, skeleton
+from jaxkv.core.sharding import param_shardings
 from jaxkv.formats.common import build_config, read_json
 from jaxkv.models.maps import CheckpointError
 
@@ -66,8 +67,10 @@ def _clear(path: str):
         shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
 
 
-def load_saved(path: str, dtype=None) -> Params:
-    """Params written by save, bitwise as saved (dtype=None) or cast to dtype.
+def load_saved(path: str, dtype=None, mesh=None) -> Params:
+    """Params written by save, bitwise as saved (dtype=None) or cast to dtype; mesh: each leaf
+    laid out on it as jaxkv.sharding.param_shardings says, each process reading only its
+    devices' shares (orbax's sharded restore).
 
     Every file is first checked against the manifest save wrote: one missing, or whose size or
     sha256 differs, is a CheckpointError naming it (files the manifest does not list are
@@ -78,11 +81,15 @@ def load_saved(path: str, dtype=None) -> Params:
     source = os.path.join(path, SAVED_CONFIG)
     meta = read_json(source)
     config = build_config(lambda: Config.from_dict(meta["config"]), source)
-    skeleton = jax.eval_shape(lambda: init_params(config, jax.random.key(0),
-                                                  jnp.dtype(meta["dtype"])))
+    shapes = skeleton(config, jnp.dtype(meta["dtype"]))
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # not where it was saved
+    shardings = param_shardings(shapes, mesh) if mesh is not None else jax.tree.map(
+        lambda _: here, shapes)
+    shapes = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          shapes, shardings)
     with ocp.StandardCheckpointer() as ckptr:
-        flat = ckptr.restore(os.path.join(path, "params"), _flat(skeleton))
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
+        flat = ckptr.restore(os.path.join(path, "params"), _flat(shapes))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     params = jax.tree_util.tree_unflatten(treedef, [flat[path_name(p)] for p, _ in leaves])
     if dtype is not None and jnp.dtype(dtype) != params.dtype:
         params = jax.tree.map(lambda x: x.astype(dtype), params)

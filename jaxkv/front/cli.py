@@ -47,6 +47,43 @@ def check_generate_args(args) -> None:
             raise ValueError(message)
 
 
+def join_processes(args):
+    """--coordinator: this process joins the job's others (before anything touches JAX); returns
+    the mesh the work is split over (--mesh; default: across processes, every device on the data
+    axis; one process: none, unless --mesh asks)."""
+    import jax
+
+    from jaxkv.core.sharding import make_mesh, start_processes
+
+    if args.coordinator is not None:
+        if args.input is None:
+            raise ValueError("--coordinator: several processes answer an --input file; a PROMPT "
+                             "is answered by one process")
+        auto = args.coordinator == "auto"
+        if not auto and (args.num_processes is None or args.process_id is None):
+            raise ValueError("--coordinator HOST:PORT needs --num-processes and --process-id (or "
+                             "JAX_NUM_PROCESSES and JAX_PROCESS_ID); 'auto' takes them from the "
+                             "cluster (SLURM, Open MPI, a TPU pod)")
+        start_processes(None if auto else args.coordinator, args.num_processes,
+                        args.process_id, timeout_s=args.process_timeout)
+    if args.mesh is None:
+        return make_mesh(jax.device_count(), 1) if jax.process_count() > 1 else None
+    data, model = mesh_shape(args.mesh)
+    if data * model != jax.device_count():
+        raise ValueError(f"--mesh {args.mesh} needs {data * model} devices; the job has "
+                         f"{jax.device_count()} ({jax.process_count()} process(es))")
+    return make_mesh(data, model)
+
+
+def mesh_shape(text: str) -> tuple[int, int]:
+    """--mesh DATAxMODEL as two positive ints."""
+    m = re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*)", text)
+    if m is None:
+        raise ValueError(f"--mesh must be DATAxMODEL (e.g. 4x2: rows over 4 devices, the model "
+                         f"over 2), got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
 def check_exists(path: str | None, what: str) -> None:
     """A path the user named must exist (None: the default is used)."""
     if path is not None and not os.path.exists(path):
@@ -69,13 +106,14 @@ def _naming(path: str, error: Exception) -> str:
     return text if named else f"{path}: {text}"
 
 
-def load_model(path: str):
-    """(params, tokenizer) of a model path; a file that cannot be read is an error naming it."""
+def load_model(path: str, mesh=None):
+    """(params, tokenizer) of a model path (on mesh, each process reading its share); a file
+    that cannot be read is an error naming it."""
     from jaxkv.formats.load import load
     from jaxkv.formats.tokenizer import load_tokenizer
 
     try:
-        params = load(path)
+        params = load(path, mesh=mesh)
     except (ValueError, OSError) as e:
         raise ValueError(f"cannot load the model: {_naming(path, e)}") from e
     try:
@@ -172,9 +210,9 @@ def sampling_options(args) -> dict:
                 key=jax.random.key(args.seed))
 
 
-def start(args):
+def start(args, mesh=None):
     """(path, params, tokenizer, seconds it took) after the flags are checked and the model
-    loaded (cast to --dtype)."""
+    loaded (cast to --dtype; on mesh)."""
     from jaxkv.core.params import cast
 
     check_generate_args(args)
@@ -182,7 +220,7 @@ def start(args):
     path = model_path(args.model, default_model)
     t0 = time.perf_counter()
     status(f"loading {path}")
-    params, tokenizer = load_model(path)
+    params, tokenizer = load_model(path, mesh)
     if args.dtype != "float32":
         params = cast(params, args.dtype)
     return path, params, tokenizer, time.perf_counter() - t0
@@ -199,9 +237,10 @@ def run_generate(args) -> None:
 
         check_paths(args.input, args.output)
     began = time.perf_counter()
-    path, params, tokenizer, load_s = start(args)
+    mesh = join_processes(args)
+    path, params, tokenizer, load_s = start(args, mesh)
     if args.input is not None:
-        return run_file(args, path, params, tokenizer)
+        return run_file(args, path, params, tokenizer, mesh)
     ids = prompt_ids(path, params.config, tokenizer, args.prompt, not args.no_chat)
     stream_answer(args, params, tokenizer, ids, began, load_s)
 
@@ -234,7 +273,7 @@ def stream_answer(args, params, tokenizer, ids, began=None, load_s=0.0) -> list[
     return answer
 
 
-def run_file(args, path, params, tokenizer) -> None:
+def run_file(args, path, params, tokenizer, mesh=None) -> None:
     """--input / --output: every request answered once, appended as it ends."""
     from jaxkv.front import jsonl
 
@@ -247,6 +286,7 @@ def run_file(args, path, params, tokenizer) -> None:
                           stop_ids=list(params.config.end_ids), stop=args.stop,
                           seed=args.seed, batch_size=args.batch_size, progress=True,
                           logprobs=args.logprobs, prefix_cache=not args.no_prefix_cache,
+                          mesh=mesh,
                           **{k: v for k, v in sampling_options(args).items() if k != "key"})
     status(f"{n} answered, {args.output} complete")
 
@@ -378,6 +418,7 @@ def parser() -> argparse.ArgumentParser:
                      help="(--input) write each token's log-probability and the K likeliest")
     gen.add_argument("--no-prefix-cache", action="store_true",
                      help="(--input) compute every prompt whole, even where prompts begin alike")
+    add_process_flags(gen)
     chat = sub.add_parser("chat", formatter_class=defaults,
                           help="an interactive conversation whose KV cache is kept between turns")
     add_model_flags(chat)
@@ -392,6 +433,25 @@ def parser() -> argparse.ArgumentParser:
         "score a model on lm-evaluation-harness tasks (needs the extra: pip install "
         "'jaxkv[eval]')")))
     return parser
+
+
+def add_process_flags(cmd) -> None:
+    """One process per host, every host running the same command (--input): JAX's own
+    distributed runtime; process 0 writes --output."""
+    env = os.environ.get
+    group = cmd.add_argument_group("across hosts (one process each, the same command on each)")
+    group.add_argument("--coordinator", default=env("JAX_COORDINATOR_ADDRESS"),
+                       metavar="HOST:PORT", help="process 0's address (JAX_COORDINATOR_ADDRESS); "
+                       "'auto': the cluster's (SLURM, Open MPI, a TPU pod)")
+    group.add_argument("--num-processes", type=int, default=env("JAX_NUM_PROCESSES"),
+                       help="processes in the job (JAX_NUM_PROCESSES)")
+    group.add_argument("--process-id", type=int, default=env("JAX_PROCESS_ID"),
+                       help="this one's, from 0 (JAX_PROCESS_ID)")
+    group.add_argument("--process-timeout", type=int, default=60, metavar="SECONDS",
+                       help="if a process dies, the others stop after about this long")
+    group.add_argument("--mesh", metavar="DATAxMODEL",
+                       help="devices for rows x devices for the model (default: across processes, "
+                       "every device for rows; one process: its default device)")
 
 
 def add_eval_flags(ev) -> None:

@@ -1,17 +1,25 @@
 """Answering a data set file: one JSON request per line in, one JSON answer per line out,
 appended as each prompt ends, so a job killed at any moment resumes where it stopped.
 
+A job of several processes (a mesh that spans them) runs the same call on every process, each
+reading its own copy of the requests: process 0 alone writes the answers, and tells the others
+which ids its file holds.
+
 Input lines: {"prompt": text, "id": optional (default: the line number, from 1),
 "max_new_tokens": optional}. Output lines: {"id", "completion", "tokens"} (tokens: how many the
 answer drew, a stop token included); with logprobs=k also "logprobs": per token drawn, its
 {"token", "id", "logprob"} and "top": the k likeliest as {"token", "id", "logprob"}.
 """
 
+import contextlib
+import hashlib
 import json
 import os
 
 import jax
+import numpy as np
 
+from jaxkv.core.sharding import from_first_process, same_on_every_process
 from jaxkv.decoding import stops
 from jaxkv.decoding.batching import iter_many
 
@@ -90,14 +98,18 @@ def answer_file(params, tokenizer, encode, input_path: str, output_path: str,
     to iter_many (batch_size, sampling, progress). An answer ends at a stop id or a stop
     string; its completion is the text before them. Prompt i of the file draws with
     fold_in(key(seed), its line number), so a resumed job answers as an uninterrupted one.
-    Returns how many it answered."""
+    Returns how many it answered. Across processes (options' mesh spanning them) only process
+    0 opens output_path."""
     stop = stops.texts_of(stop)
     check_paths(input_path, output_path)
     requests = read_requests(input_path)
-    with open(output_path, "a", encoding="utf-8") as out:
-        _lock(out, output_path)
-        return _answer(params, tokenizer, encode, requests, input_path, out, output_path,
-                       max_new_tokens, stop_ids, stop, seed, options)
+    writer = jax.process_index() == 0
+    with open(output_path, "a", encoding="utf-8") if writer else contextlib.nullcontext() as out:
+        if writer:
+            _lock(out, output_path)
+        pending = _pending(requests, output_path if writer else None, input_path)
+        return _answer(params, tokenizer, encode, pending, input_path, out, max_new_tokens,
+                       stop_ids, stop, seed, options)
 
 
 def check_paths(input_path: str, output_path: str):
@@ -129,11 +141,22 @@ def _encoded(encode, request: dict, input_path: str) -> list[int]:
         raise ValueError(f"{input_path}:{request['line']}: {e}") from None
 
 
-def _answer(params, tokenizer, encode, requests, input_path, out, output_path, max_new_tokens,
-            stop_ids, stop, seed, options) -> int:
-    """answer_file's work, its output open (and held) as out."""
-    done = answered_ids(output_path)
-    pending = [r for r in requests if json.dumps(r["id"]) not in done]
+def _pending(requests: list[dict], output_path: str | None, input_path: str) -> list[dict]:
+    """The requests whose ids the output (process 0's) does not hold yet. Across processes
+    every one must have read the same requests: else each names the difference."""
+    if jax.process_count() > 1:
+        digest = hashlib.sha256(json.dumps(requests).encode()).digest()
+        same_on_every_process(np.frombuffer(digest, np.uint8), f"the requests of {input_path}")
+    done = answered_ids(output_path) if output_path is not None else set()
+    done_R = np.array([json.dumps(r["id"]) in done for r in requests], bool)
+    if jax.process_count() > 1:
+        done_R = from_first_process(done_R)
+    return [r for r, d in zip(requests, done_R) if not d]
+
+
+def _answer(params, tokenizer, encode, pending, input_path, out, max_new_tokens, stop_ids,
+            stop, seed, options) -> int:
+    """answer_file's work, its output open (and held) as out (None: another process writes)."""
     prompts = [_encoded(encode, r, input_path) for r in pending]
     budgets = [r.get("max_new_tokens", max_new_tokens) for r in pending]
     if not pending:
@@ -148,8 +171,9 @@ def _answer(params, tokenizer, encode, requests, input_path, out, output_path, m
         line = {"id": pending[i]["id"], "completion": text, "tokens": len(ids)}
         if not isinstance(answer, list):
             line["logprobs"] = _logprobs(tokenizer, answer)
-        out.write(json.dumps(line, ensure_ascii=False) + "\n")
-        out.flush()
+        if out is not None:
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()
     return len(pending)
 
 

@@ -11,6 +11,7 @@ feed-forward, norms, cross-attention); each family's own map is in its file besi
 """
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from jaxkv.core import quant
 from jaxkv.core.config import Config
-from jaxkv.core.params import Params, gate_up_rows, init_params, kv_rows, path_name, qkv_rows
+from jaxkv.core.params import Params, gate_up_rows, kv_rows, path_name, qkv_rows, skeleton
 from jaxkv.ops.arrays import Int8, dequantize_rows
 
 
@@ -28,11 +29,16 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read as the model it claims to be."""
 
 
+def as_is(w):
+    """The layout of a tensor the checkpoint holds as we do."""
+    return w
+
+
 @dataclasses.dataclass(frozen=True)
 class Src:
     name: str | None  # tensor name in the checkpoint ("{i}": layer index); None: zeros
     shape: tuple  # the shape the checkpoint must hold (or of the zeros)
-    to_ours: Callable = lambda w: w  # reshape into our layout
+    to_ours: Callable = as_is  # reshape into our layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +56,7 @@ def transpose(w):
     return w.T
 
 
-def rows(j, n, then=lambda w: w):
+def rows(j, n, then=as_is):
     """The j-th block of n rows of a fused tensor (e.g. Q, K, V stacked on the out axis)."""
     return lambda w: then(w[j * n:(j + 1) * n])
 
@@ -73,19 +79,19 @@ def linear_qkv(c: Config, ours: str, q, k, v, biases="qkv", fix=None) -> dict:
     fix = fix or {}
     src = {}
     for part, name, n in (("q", q, NH), ("k", k, KH), ("v", v, KH)):
-        f = fix.get(part, lambda w: w)
+        f = fix.get(part, as_is)
         src[part] = Src(name, (n, D), f)
         src[part + "b"] = Src(bias_of(name) if part in biases else None, (n,), f)
     return qkv(c, ours, src["q"], src["k"], src["v"], src["qb"], src["kb"], src["vb"])
 
 
-def out_proj(c: Config, ours: str, name: str, bias=True, to_ours=lambda w: w) -> dict:
+def out_proj(c: Config, ours: str, name: str, bias=True, to_ours=as_is) -> dict:
     D = c.d_model
     return {f"{ours}.wo": Src(name, (D, c.n_heads * c.head_dim), to_ours),
             f"{ours}.bo": Src(bias_of(name) if bias else None, (D,))}
 
 
-def feed_forward(c: Config, ours: str, up, down, gate=None, to_ours=lambda w: w) -> dict:
+def feed_forward(c: Config, ours: str, up, down, gate=None, to_ours=as_is) -> dict:
     """ours.w_in (gate and up fused) / w_out (+ biases) from [out, in] tensors."""
     D, F = c.d_model, c.d_ff
     if gate:
@@ -127,7 +133,8 @@ def split_layer(name: str):
 
 
 def build_params(config: Config, name_map: dict, get_tensor: Callable, source: str,
-                 dtype=jnp.float32, int8=False, names=None) -> Params:
+                 dtype=jnp.float32, int8=False, names=None, shardings=None,
+                 get_slice=None) -> Params:
     """Params for config, each leaf read through name_map; get_tensor(name) -> array, None, or
     an Int8 of numpy arrays (a matrix the file holds as int8 blocks).
 
@@ -135,42 +142,85 @@ def build_params(config: Config, name_map: dict, get_tensor: Callable, source: s
     blocks (its rows moved as the map says), a float one is quantized with one scale per row,
     as jaxkv.quantize does. Without int8, an Int8 read is dequantized. names (the file's
     tensor names): every one must be read, or be a copy or buffer the family's config derives
-    (UNREAD): a tensor the config has no place for is an error naming it."""
-    skeleton = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
+    (UNREAD): a tensor the config has no place for is an error naming it.
+
+    shardings (a NamedSharding per leaf, on a mesh that may span processes): each leaf is made
+    from this process's devices' shares only. A tensor the checkpoint holds as we do is read
+    share by share through get_slice(name) (an object with get_shape() and [index], as
+    safetensors' get_slice gives, or None), a fused one from the same share of each source;
+    one the map reshapes is read whole, one at a time, and cut."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton(config))
+    per_leaf = [None] * len(leaves) if shardings is None else treedef.flatten_up_to(shardings)
     read = set()
+
+    def named(ours: str, src: Src, layer, shape):
+        """The tensor's name in the file, its shape checked (None: missing)."""
+        name = src.name.format(i=layer)
+        read.add(name)
+        if shape is None:
+            raise CheckpointError(f"{source}: missing tensor '{name}' (for {ours})")
+        if tuple(shape) != tuple(src.shape):
+            raise CheckpointError(f"{source}: tensor '{name}' has shape {tuple(shape)}, "
+                                  f"expected {tuple(src.shape)}")
+        return name
 
     def fetch(ours: str, src: Src, layer):
         if src.name is None:
             return np.zeros(src.shape, np.float32)
-        name = src.name.format(i=layer)
-        read.add(name)
-        w = get_tensor(name)
-        if w is None:
-            raise CheckpointError(f"{source}: missing tensor '{name}' (for {ours})")
-        if tuple(w.shape) != tuple(src.shape):
-            raise CheckpointError(f"{source}: tensor '{name}' has shape {tuple(w.shape)}, "
-                                  f"expected {tuple(src.shape)}")
+        w = get_tensor(src.name.format(i=layer))
+        name = named(ours, src, layer, None if w is None else w.shape)
         if isinstance(w, Int8):
             return _int8_rows(w, src.to_ours, f"{source}: tensor '{name}' (for {ours})")
         return src.to_ours(np.asarray(w, np.float32))
 
+    def share(ours: str, entry, layer, shape, index):
+        """The leaf at index, read from the file's shares of its sources: a fused leaf's rows
+        split over the model axis keep heads / units whole, so they are the join of the same
+        share of each source."""
+        rows = range(shape[0])[index[0]]
+        pieces = []
+        for src in entry.parts if isinstance(entry, Fused) else (entry,):
+            part = get_slice(src.name.format(i=layer))
+            named(ours, src, layer, None if part is None else part.get_shape())
+            n = src.shape[0]
+            pieces.append(part[rows.start * n // shape[0]: rows.stop * n // shape[0]])
+        joined = entry.join(*pieces) if isinstance(entry, Fused) else pieces[0]
+        return joined[(slice(None), *index[1:])]
+
     out = []
-    for path, leaf in leaves:
+    for (path, leaf), sharding in zip(leaves, per_leaf):
         ours, layer = split_layer(path_name(path))
         entry = name_map[ours]
+        if sharding is not None and get_slice is not None and _as_held(entry):
+            out.append(_from_shares(functools.partial(share, ours, entry, layer, leaf.shape),
+                                    leaf.shape, dtype, sharding))
+            continue
         if isinstance(entry, Fused):
             w = _join(entry.join, [fetch(ours, part, layer) for part in entry.parts])
         else:
             w = fetch(ours, entry, layer)
         assert w.shape == leaf.shape, (ours, w.shape, leaf.shape)
-        out.append(_leaf(w, dtype, int8 and ours in quant.MATRICES))
+        out.append(_leaf(w, dtype, int8 and ours in quant.MATRICES) if sharding is None else
+                   _from_shares(w.__getitem__, leaf.shape, dtype, sharding))
     unread = sorted(n for n in set(names or ()) - read if not UNREAD.search(n))
     if unread:
         raise CheckpointError(f"{source}: {len(unread)} tensor(s) this config does not use, e.g. "
                               f"{', '.join(map(repr, unread[:4]))}: the config (its layer count, "
                               "its tied head, ...) does not describe this checkpoint")
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _as_held(entry) -> bool:
+    """Whether every source of a leaf is a tensor the file holds as we do (joins aside)."""
+    parts = entry.parts if isinstance(entry, Fused) else (entry,)
+    return all(p.name is not None and p.to_ours is as_is for p in parts)
+
+
+def _from_shares(share: Callable, shape: tuple, dtype, sharding):
+    """A global array of dtype built from share(index) -> the part of the leaf at index, asked
+    only for the parts this process's devices hold."""
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: np.asarray(share(index)).astype(dtype, copy=False))
 
 
 # Tensors a checkpoint may hold that no parameter reads: buffers derived from the config
@@ -185,9 +235,8 @@ UNREAD = re.compile(r"rotary_emb\.inv_freq$|\.attn\.(masked_)?bias$|position_ids
 def tensor_shapes(config: Config, name_map: dict) -> dict:
     """{tensor name: shape} of every tensor build_params reads for config through name_map:
     what a checkpoint of this model holds."""
-    skeleton = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     shapes = {}
-    for path, _ in jax.tree_util.tree_flatten_with_path(skeleton)[0]:
+    for path, _ in jax.tree_util.tree_flatten_with_path(skeleton(config))[0]:
         ours, layer = split_layer(path_name(path))
         entry = name_map[ours]
         for src in entry.parts if isinstance(entry, Fused) else (entry,):

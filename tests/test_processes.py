@@ -1,0 +1,145 @@
+"""Past one process: 2 processes joined by JAX's distributed runtime on this machine (CPU
+collectives through gloo) give the answers one process gives alone; each loads only its share
+of a checkpoint; the JSONL command line across processes survives a killed process (the other
+stops within the timeout) and its rerun completes the file, each answer once."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import pytest
+
+import jaxkv
+from tests.conftest import CONFIGS, char_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECK = os.path.join(ROOT, "tests", "processes_check.py")
+TIMEOUT_S = 5  # --process-timeout of the command-line jobs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(commands, env=None):
+    """One process per command, its stderr in a file (a pipe could fill and stall it)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **(env or {}))
+    started = []
+    for command in commands:
+        log = tempfile.TemporaryFile("w+")
+        started.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                          stderr=log, text=True), log))
+    return started
+
+
+def finish(processes, timeout=600):
+    """Every process's (return code, stderr's tail)."""
+    ends = []
+    for p, log in processes:
+        code = p.wait(timeout=timeout)
+        log.seek(0)
+        noise = ("[Gloo]", "    @ ", "[SPMD]", "Warning")
+        ends.append((code, "".join(line for line in log if not any(n in line for n in noise))
+                     [-3000:]))
+    return ends
+
+
+def check_processes(mode: str, out, *args, count: int = 2):
+    coordinator = f"127.0.0.1:{free_port()}"
+    runs = finish(launch([[sys.executable, CHECK, mode, coordinator, str(count), str(i),
+                           str(out), *map(str, args)] for i in range(count)]))
+    for code, err in runs:
+        assert code == 0, err
+    return [json.loads((out / f"process-{i}.json").read_text()) for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    return check_processes("jobs", tmp_path_factory.mktemp("jobs"))
+
+
+@pytest.mark.parametrize("mesh", ["data across processes", "model across processes"])
+def test_every_job_across_processes_equals_one_process(jobs, mesh):
+    for process in jobs:
+        assert process["devices"] == 8 and process["local_devices"] == 4
+        r = process[mesh]
+        assert r["generate"] and r["sampled"] and r["many"] and r["speculative"], r
+        assert r["loglikelihood_greedy"] and r["logprob_error"] <= 1e-5, r
+    assert jobs[0][mesh]["answers"] == jobs[1][mesh]["answers"]  # every process got them all
+
+
+def hf_llama(path):
+    """A tiny Llama written by transformers (safetensors): fused Q/K/V and gate/up sources."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_each_process_loads_its_share(tmp_path):
+    hf = hf_llama(tmp_path / "hf")
+    jaxkv.save(jaxkv.load(hf), tmp_path / "saved")
+    for process in check_processes("load", tmp_path, hf, tmp_path / "saved"):
+        for path in (hf, tmp_path / "saved"):
+            r = process[str(path)]
+            assert r["same"], r  # each share equals the whole checkpoint's part
+            assert r["embed_spec"] == "P('model', None)", r
+
+
+def cli_command(model, tmp_path, port: int, process_id: int):
+    return [sys.executable, "-m", "jaxkv", "generate", "--model", str(model),
+            "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+            "--max-new-tokens", "32", "--batch-size", "4", "--coordinator",
+            f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id),
+            "--mesh", "4x2", "--process-timeout", str(TIMEOUT_S)]
+
+
+def lines_of(path):
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_command_line_across_processes_survives_a_kill(tmp_path):
+    llama = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(0))
+    model = tmp_path / "model"
+    jaxkv.save(llama, model, tokenizer=char_tokenizer(llama.config.vocab_size))
+    prompts = [f"request {i}: " + "abcdefgh"[: i % 8] for i in range(60)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    out = tmp_path / "out.jsonl"
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    port = free_port()
+    first = launch([cli_command(model, tmp_path, port, i) for i in range(2)], env)
+    while len(lines_of(out)) < 1 and first[0][0].poll() is None:
+        time.sleep(0.05)
+    first[1][0].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    (code, err), _ = finish(first)
+    assert code != 0 and time.monotonic() - killed_at < TIMEOUT_S + 30, err
+    assert "unhealthy" in err or "heartbeat" in err, err
+    done = len(lines_of(out))
+    assert 1 <= done < len(prompts)
+    port = free_port()
+    rerun = finish(launch([cli_command(model, tmp_path, port, i) for i in range(2)], env))
+    assert all(code == 0 for code, _ in rerun), rerun
+    answers = [json.loads(line) for line in lines_of(out)]
+    assert sorted(a["id"] for a in answers) == list(range(1, len(prompts) + 1))  # each once
+    alone = tmp_path / "alone.jsonl"
+    subprocess.run([sys.executable, "-m", "jaxkv", "generate", "--model", str(model), "--input",
+                    str(tmp_path / "in.jsonl"), "--output", str(alone), "--max-new-tokens", "32",
+                    "--batch-size", "4"], cwd=ROOT, check=True, capture_output=True,
+                   env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    by_id = {a["id"]: a for a in map(json.loads, lines_of(alone))}
+    assert all(a == by_id[a["id"]] for a in answers)
