@@ -128,7 +128,7 @@ def test_truncated_tokenizer_is_one_line(tmp_path, tiny_model_dir, llama, monkey
     (path / "tokenizer.json").write_text(text[: len(text) // 2])
     message = refused(["generate", "Hi", "--model", str(path)])
     assert "tokenizer" in message and str(path) in message
-    monkeypatch.setattr(load_module, "load", lambda path: llama)  # as if the weights were readable
+    monkeypatch.setattr(load_module, "load", lambda path, **_: llama)  # weights as if readable
     message = refused(["generate", "Hi", "--model", str(path)])
     assert "cannot load the tokenizer" in message and str(path) in message
 

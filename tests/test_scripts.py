@@ -2,6 +2,7 @@
 figures come from full runs, recorded in results/ and docs/performance.md)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -57,7 +58,8 @@ def test_script_runs(script, tmp_path):
         return
     if script == "bench_commits":  # a table of two commits, not a plot
         summary = result["summary"]["int8"]  # (figures of a tiny model on a busy machine: no
-        assert summary["old_best_ms"] > 0 and summary["new_over_old_paired"] > 0  # bound on them)
+        assert math.isfinite(summary["old_best_ms"]) and math.isfinite(  # bound on them: a
+            summary["new_over_old_paired"])  # step timed as a difference may even be < 0)
         return
     if script == "bench_eval":  # tables, not a plot; tiny sizes: no bound on the ratios
         assert result["loglikelihood"]["greedy_equal"] and result["prefix"]["answers_equal"]

@@ -148,6 +148,9 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
                                     shard_rows(encoder, mesh))
     args = (params, *per_row, eos_E, jnp.int32(pad_id), suppress_V, begin_V,
             stops.tables(c, stop, tokenizer), *encoder)
+    if on_token is not None and mesh is not None and mesh.is_multi_process:
+        raise ValueError("on_token: a host callback inside a program spread over several "
+                         "processes is not supported; use iter_many / iter_tokens, or no mesh")
     on_token = None if on_token is None else RaisedInCallback(on_token)
     kv_dtype = None if kv_dtype is None else checks.kv_dtype(kv_dtype, "kv_dtype")
     return args, dict(max_new_tokens=max_new_tokens, capacity=capacity, on_token=on_token,
