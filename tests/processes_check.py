@@ -13,7 +13,6 @@ usage: processes_check.py load COORDINATOR NUM_PROCESSES PROCESS_ID OUT CHECKPOI
 
 import json
 import os
-import resource
 import sys
 
 DEVICES = {"jobs": 4, "load": 1}
@@ -92,7 +91,10 @@ def jobs(out: str):
 
 
 def peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory (VmHWM: unlike getrusage's ru_maxrss, not inherited
+    from the process that started this one)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def load(out: str, *checkpoints: str):

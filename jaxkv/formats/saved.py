@@ -87,13 +87,26 @@ def load_saved(path: str, dtype=None, mesh=None) -> Params:
         lambda _: here, shapes)
     shapes = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           shapes, shardings)
-    with ocp.StandardCheckpointer() as ckptr:
-        flat = ckptr.restore(os.path.join(path, "params"), _flat(shapes))
+    flat = _restore(os.path.join(path, "params"), _flat(shapes))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     params = jax.tree_util.tree_unflatten(treedef, [flat[path_name(p)] for p, _ in leaves])
     if dtype is not None and jnp.dtype(dtype) != params.dtype:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
     return params
+
+
+def _restore(folder: str, shapes: dict) -> dict:
+    """Every leaf of an orbax checkpoint restored as shapes say (shape, dtype, sharding), one
+    leaf at a time: orbax stages what it reads, and restoring all at once held about the whole
+    checkpoint again on top of the result."""
+    out = {}
+    with ocp.PyTreeCheckpointer() as ckptr:
+        for name, shape in shapes.items():
+            args = ocp.args.PyTreeRestore(
+                item={name: shape}, partial_restore=True,
+                restore_args={name: ocp.ArrayRestoreArgs(sharding=shape.sharding)})
+            out[name] = ckptr.restore(folder, args=args)[name]
+    return out
 
 
 def _files_under(path: str, folder: str) -> list[str]:
