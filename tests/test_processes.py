@@ -71,8 +71,8 @@ def test_every_job_across_processes_equals_one_process(jobs, mesh):
     for process in jobs:
         assert process["devices"] == 8 and process["local_devices"] == 4
         r = process[mesh]
-        assert r["generate"] and r["many"], r
-        assert mesh != "data across processes" or r["sampled"] and r["speculative"], r
+        assert r["sampled"], r
+        assert mesh != "data across processes" or r["many"] and r["speculative"], r
         assert r["loglikelihood_greedy"] and r["logprob_error"] <= 1e-5, r
     assert jobs[0][mesh]["answers"] == jobs[1][mesh]["answers"]  # every process got them all
 
@@ -104,7 +104,7 @@ def test_each_process_loads_its_share(tmp_path):
 def cli_command(model, tmp_path, port: int, process_id: int):
     return [sys.executable, "-m", "jaxkv", "generate", "--model", str(model),
             "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
-            "--max-new-tokens", "24", "--batch-size", "4", "--coordinator",
+            "--max-new-tokens", "16", "--batch-size", "4", "--coordinator",
             f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id),
             "--mesh", "4x2", "--process-timeout", str(TIMEOUT_S)]
 
@@ -117,7 +117,7 @@ def test_command_line_across_processes_survives_a_kill(tmp_path):
     llama = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(0))
     model = tmp_path / "model"
     jaxkv.save(llama, model, tokenizer=char_tokenizer(llama.config.vocab_size))
-    prompts = [f"request {i}: " + "abcdefgh"[: i % 8] for i in range(24)]
+    prompts = [f"request {i}: " + "abcdefgh"[: i % 8] for i in range(16)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     out = tmp_path / "out.jsonl"
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -139,7 +139,7 @@ def test_command_line_across_processes_survives_a_kill(tmp_path):
     assert sorted(a["id"] for a in answers) == list(range(1, len(prompts) + 1))  # each once
     alone = tmp_path / "alone.jsonl"
     subprocess.run([sys.executable, "-m", "jaxkv", "generate", "--model", str(model), "--input",
-                    str(tmp_path / "in.jsonl"), "--output", str(alone), "--max-new-tokens", "24",
+                    str(tmp_path / "in.jsonl"), "--output", str(alone), "--max-new-tokens", "16",
                     "--batch-size", "4"], cwd=ROOT, check=True, capture_output=True,
                    env=dict(os.environ, JAX_PLATFORMS="cpu"))
     by_id = {a["id"]: a for a in map(json.loads, lines_of(alone))}

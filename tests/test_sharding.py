@@ -19,7 +19,7 @@ def results():
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["llama_gqa 2x4", "llama_gqa 8x1", "gpt2 2x4", "gpt2 8x1"])
+@pytest.mark.parametrize("case", ["llama_gqa 2x4", "llama_gqa 8x1", "gpt2 2x4"])
 def test_sharded_equals_unsharded(results, case):
     r = results[case]
     assert r["greedy"] and r["sampled"], r
