@@ -71,10 +71,7 @@ def place(x, sharding: NamedSharding):
     """x (a host value, or an array on this process's devices) as a global array laid out as
     sharding says; on a mesh that spans processes each process builds only its devices' share
     (every process must pass the same value)."""
-    if isinstance(x, jax.Array) and (sharding.is_fully_addressable or
-                                     not x.is_fully_addressable):
-        return jax.device_put(x, sharding)
-    if sharding.is_fully_addressable:
+    if sharding.is_fully_addressable or isinstance(x, jax.Array) and not x.is_fully_addressable:
         return jax.device_put(x, sharding)
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return jax.random.wrap_key_data(place(jax.random.key_data(x), sharding),
