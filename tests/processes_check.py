@@ -1,10 +1,11 @@
 """Run by tests/test_processes.py as one of several processes joined by
 jaxkv.sharding.start_processes. Writes its results as JSON to OUT/process-PID.json.
 
-usage: processes_check.py jobs COORDINATOR NUM_PROCESSES PROCESS_ID OUT
+usage: processes_check.py jobs COORDINATOR NUM_PROCESSES PROCESS_ID OUT [CHECKPOINT...]
     (4 host devices each) generate, generate_many, loglikelihood_many and speculative_generate
-    on meshes that span the processes, against the same calls run alone on this process's
-    first device;
+    on meshes that span the processes; process 0 also runs them alone on its first device and
+    compares (the other processes' results are compared with process 0's by the caller); each
+    checkpoint is loaded as `load` does, on the mesh whose model axis spans the processes;
 usage: processes_check.py load COORDINATOR NUM_PROCESSES PROCESS_ID OUT CHECKPOINT...
     (1 host device each) each checkpoint loaded with the model split across the processes:
     its leaves against the whole checkpoint read alone, and the peak resident memory the
@@ -76,16 +77,18 @@ def compare(alone: dict, spread: dict) -> dict:
     return out
 
 
-def jobs(out: str):
+def jobs(out: str, *checkpoints: str):
     params = jaxkv.init_params(CONFIG, jax.random.key(0))  # the same on every process
-    with jax.default_device(jax.local_devices()[0]):
-        alone = run(params, None)
     results = {"process": jax.process_index(), "devices": jax.device_count(),
                "local_devices": jax.local_device_count()}
     for name, mesh in meshes().items():
-        spread = run(params, mesh, every_job=name == "data across processes")
-        results[name] = dict(compare(alone, spread), answers=spread["sampled"])
-    return results
+        results[name] = run(params, mesh, every_job=name == "data across processes")
+    if jax.process_index() == 0:  # one process's run alone is enough: the others equal it
+        with jax.default_device(jax.local_devices()[0]):
+            alone = run(params, None)
+        for name in meshes():
+            results[name] = dict(compare(alone, results[name]), answers=results[name])
+    return dict(results, loaded=load(out, *checkpoints, mesh=meshes()["model across processes"]))
 
 
 def peak_bytes() -> int:
@@ -95,11 +98,12 @@ def peak_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def load(out: str, *checkpoints: str):
+def load(out: str, *checkpoints: str, mesh=None):
     """Per checkpoint: the loaded leaves equal the ones read alone (each process's shares),
     whether every big leaf is split, and the peak memory loading added over the checkpoint's
-    size on disk (the first load's: the peak only grows)."""
-    mesh = make_mesh(1, jax.device_count())
+    size on disk (the first load's: the peak only grows). mesh: the model across every
+    device unless given."""
+    mesh = mesh or make_mesh(1, jax.device_count())
     results = {}
     for path in checkpoints:
         before = peak_bytes()
@@ -119,7 +123,8 @@ def load(out: str, *checkpoints: str):
 
 if __name__ == "__main__":
     mode, coordinator, count, process_id, out, *rest = sys.argv[1:]
-    start_processes(coordinator, int(count), int(process_id), timeout_s=10)
+    # The others wait at the end while process 0 runs alone: a shutdown timeout long enough.
+    start_processes(coordinator, int(count), int(process_id), timeout_s=120)
     results = {"jobs": jobs, "load": load}[mode](out, *rest)
     with open(os.path.join(out, f"process-{process_id}.json"), "w") as f:
         json.dump(results, f)

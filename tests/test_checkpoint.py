@@ -12,6 +12,7 @@ from safetensors.numpy import load_file, save_file
 import jaxkv
 from jaxkv.core import quant
 from jaxkv.formats import gguf as gguf_format
+from jaxkv.formats import saved
 from jaxkv.models.maps import tensor_shapes
 from jaxkv.ops.arrays import Int8, dequantize_rows
 from tests.conftest import CONFIGS, encoder_inputs, finish_gguf, random_tokens
@@ -94,6 +95,21 @@ def test_save_load_round_trip_is_bitwise(tmp_path, llama):
     before, _ = jaxkv.generate(llama, [[3, 1, 4, 1, 5]], 12)
     after, _ = jaxkv.generate(loaded, [[3, 1, 4, 1, 5]], 12)
     np.testing.assert_array_equal(before, after)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 10, 1 << 30])
+def test_leaves_in_chunks_of_any_size_load_bitwise(tmp_path, llama, monkeypatch, chunk_bytes):
+    """A leaf is stored in chunks of at most CHUNK_BYTES (a process reading its share decodes
+    little more than the share); saves whose chunks are whole leaves (as jaxkv wrote them
+    before) load the same."""
+    monkeypatch.setattr(saved, "CHUNK_BYTES", chunk_bytes)
+    jaxkv.save(llama, tmp_path / "m")
+    store = saved._store(str(tmp_path / "m" / "params"), "embed", llama.embed)
+    chunk = store.chunk_layout.read_chunk.shape
+    assert chunk == llama.embed.shape if chunk_bytes > llama.embed.nbytes else (
+        np.prod(chunk) * llama.embed.dtype.itemsize <= chunk_bytes), chunk
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 llama, jaxkv.load(tmp_path / "m"))
 
 
 def test_save_load_bfloat16_stays_bfloat16(tmp_path, gpt2):

@@ -107,8 +107,8 @@ def test_gradients_and_vmap_equal_the_plain_product():
     x_RI = jax.random.normal(jax.random.key(0), (2, 64))
     w_OI = jax.random.normal(jax.random.key(1), (32, 64))
     loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))  # noqa: E731
-    grads = jax.grad(loss(kernels.product), argnums=(0, 1))(x_RI, w_OI)
-    expected = jax.grad(loss(lambda x, w: x @ w.T), argnums=(0, 1))(x_RI, w_OI)
+    grad = lambda f: jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x_RI, w_OI)  # noqa: E731
+    grads, expected = grad(kernels.product), grad(lambda x, w: x @ w.T)
     for got, want in zip(grads, expected):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
     batched = jax.vmap(kernels.product, (0, None))(x_RI[:, None], w_OI)[:, 0]
@@ -241,8 +241,8 @@ def attention_case(H, dtype, key=0, T=3, N=4, S=37):
 
 def assert_kernel_attention_equals_xla(target, q_BTNH, k, v, mask_BTS, kv_len, own, softcap):
     """The CPU backend's attention calls the kernel entry `target`, and its output and
-    log-sum-exp equal XLA's attention; a query that sees no key (row 1's first token in attention_case) gets 0 and
-    -inf."""
+    log-sum-exp equal XLA's attention; a query that sees no key (row 1's first token in
+    attention_case) gets 0 and -inf."""
     call = lambda f: jax.jit(lambda q: f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
                                          softcap))
     assert f"@{target}(" in call(cpu_ops.attention).lower(q_BTNH).as_text()
@@ -282,8 +282,8 @@ def test_attention_kernel_equals_xla(H, dtype, softcap, kv_len, T, N, S):
                                        softcap)
     loss = lambda f: lambda q: jnp.sum(jnp.sin(f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
                                                  softcap)[0]))
-    np.testing.assert_allclose(jax.grad(loss(cpu_ops.attention))(q_BTNH),
-                               jax.grad(loss(xla.attention))(q_BTNH), atol=1e-5)
+    grad = lambda f: jax.jit(jax.grad(loss(f)))(q_BTNH)  # noqa: E731 (one compile, not one a step)
+    np.testing.assert_allclose(grad(cpu_ops.attention), grad(xla.attention), atol=1e-5)
 
 
 @pytest.mark.parametrize("H,softcap,kv_len,T,N,S", [

@@ -61,22 +61,6 @@ def check_processes(mode: str, out, *args, count: int = 2):
     return [json.loads((out / f"process-{i}.json").read_text()) for i in range(count)]
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    return check_processes("jobs", tmp_path_factory.mktemp("jobs"))
-
-
-@pytest.mark.parametrize("mesh", ["data across processes", "model across processes"])
-def test_every_job_across_processes_equals_one_process(jobs, mesh):
-    for process in jobs:
-        assert process["devices"] == 8 and process["local_devices"] == 4
-        r = process[mesh]
-        assert r["sampled"], r
-        assert mesh != "data across processes" or r["many"] and r["speculative"], r
-        assert r["loglikelihood_greedy"] and r["logprob_error"] <= 1e-5, r
-    assert jobs[0][mesh]["answers"] == jobs[1][mesh]["answers"]  # every process got them all
-
-
 def hf_llama(path):
     """A tiny Llama written by transformers (safetensors): fused Q/K/V and gate/up sources."""
     import torch
@@ -91,12 +75,33 @@ def hf_llama(path):
     return path
 
 
-def test_each_process_loads_its_share(tmp_path):
-    hf = hf_llama(tmp_path / "hf")
-    jaxkv.save(jaxkv.load(hf), tmp_path / "saved")
-    for process in check_processes("load", tmp_path, hf, tmp_path / "saved"):
-        for path in (hf, tmp_path / "saved"):
-            r = process[str(path)]
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Both processes' results of the jobs and of loading a Hugging Face directory and a
+    jaxkv.save of it (one launch: each costs seconds of joining and compiling)."""
+    folder = tmp_path_factory.mktemp("jobs")
+    hf = hf_llama(folder / "hf")
+    jaxkv.save(jaxkv.load(hf), folder / "saved")
+    return check_processes("jobs", folder, hf, folder / "saved"), (hf, folder / "saved")
+
+
+@pytest.mark.parametrize("mesh", ["data across processes", "model across processes"])
+def test_every_job_across_processes_equals_one_process(jobs, mesh):
+    (first, other), _ = jobs
+    for process in (first, other):
+        assert process["devices"] == 8 and process["local_devices"] == 4
+    r = first[mesh]  # process 0 compared its results with its run alone
+    assert r["sampled"], r
+    assert mesh != "data across processes" or r["many"] and r["speculative"], r
+    assert r["loglikelihood_greedy"] and r["logprob_error"] <= 1e-5, r
+    assert other[mesh] == r["answers"]  # every process got them all
+
+
+def test_each_process_loads_its_share(jobs):
+    processes, checkpoints = jobs
+    for process in processes:
+        for path in checkpoints:
+            r = process["loaded"][str(path)]
             assert r["same"], r  # each share equals the whole checkpoint's part
             assert r["embed_spec"] == "P('model', None)", r
 

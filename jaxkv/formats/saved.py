@@ -9,6 +9,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
@@ -20,6 +21,9 @@ from jaxkv.models.maps import CheckpointError
 
 SAVED_CONFIG = "jaxkv_config.json"
 MANIFEST = "jaxkv_manifest.json"
+# Each leaf is stored in chunks of at most this many bytes, so that a process reading its share
+# decodes little more than the share (docs/design-notes.md, "Across processes").
+CHUNK_BYTES = 1 << 20
 
 
 def _flat(params):
@@ -35,8 +39,10 @@ def save(params: Params, path, tokenizer=None, chat_template: str | None = None)
     path = os.path.abspath(os.fspath(path))
     _clear(path)
     os.makedirs(path, exist_ok=True)
+    flat = _flat(params)
+    chunks = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), flat)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(path, "params"), _flat(params), force=True)
+        ckptr.save(os.path.join(path, "params"), flat, save_args=chunks, force=True)
     meta = {"config": params.config.to_dict(), "dtype": str(params.dtype),
             "chat_template": chat_template}
     with open(os.path.join(path, SAVED_CONFIG), "w") as f:
@@ -107,9 +113,27 @@ def _restore(folder: str, shapes: dict) -> dict:
     except ValueError:
         with ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(folder, shapes)
-    read = lambda store: lambda index: store[index].read().result()  # noqa: E731
-    return {name: jax.make_array_from_callback(shape.shape, shape.sharding, read(stores[name]))
+    return {name: jax.make_array_from_callback(shape.shape, shape.sharding,
+                                                 _reader(stores[name]))
             for name, shape in shapes.items()}
+
+
+def _reader(store):
+    """index -> that region of store, read into a fresh 64-byte-aligned numpy array: a CPU
+    device's buffer then is that array, not a copy of it."""
+    def read(index):
+        region = store[index]
+        out = _aligned_empty(region.shape, region.dtype.numpy_dtype)
+        ts.array(out, copy=False, write=True).write(region).result()
+        return out
+    return read
+
+
+def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _store(folder: str, name: str, shape):
@@ -131,13 +155,11 @@ def _files_under(path: str, folder: str) -> list[str]:
     return sorted(found)
 
 
-def _sha256(file: str, chunk_bytes: int = 1 << 24) -> str:
-    """Hex sha256 of a file, read in chunks: checkpoints can be larger than memory."""
-    digest = hashlib.sha256()
+def _sha256(file: str) -> str:
+    """Hex sha256 of a file, read through a small buffer: checkpoints can be larger than
+    memory, and loading a share must not hold much more than the share."""
     with open(file, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _write_manifest(path: str, names: list[str]) -> None:
