@@ -95,13 +95,15 @@ def test_jaxkv_equals_the_harness_hugging_face_backend(tiny, monkeypatch):
 
 
 def test_the_eval_command_prints_the_harness_table(tiny, monkeypatch, tmp_path, capsys):
+    """(On a mesh, as across processes: tests/test_processes.py checks the jobs it runs.)"""
     from jaxkv.front import cli
 
     model_dir, task_dir = tiny
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     out = tmp_path / "results.json"
     cli.main(["eval", "--model", str(model_dir), "--tasks", "jaxkv_tiny_choice",
-              "--include-path", str(task_dir), "--limit", "2", "--output", str(out)])
+              "--include-path", str(task_dir), "--limit", "2", "--output", str(out),
+              "--mesh", "1x1"])
     printed = capsys.readouterr().out
     assert "jaxkv_tiny_choice" in printed and "acc" in printed
     results = json.loads(out.read_text())["results"]["jaxkv_tiny_choice"]

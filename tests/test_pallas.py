@@ -9,7 +9,7 @@ import pytest
 
 import jaxkv
 from jaxkv.ops import pallas, xla
-from jaxkv.ops.arrays import quantize_kv
+from jaxkv.ops.arrays import PagedKV, logical, quantize_kv
 from jaxkv.ops.pallas import decode
 from tests.conftest import CONFIGS, TINY, random_tokens
 
@@ -43,10 +43,10 @@ def on(target: str) -> bool:
     return jax.default_backend() == target or (target == "gpu" and jax.default_backend() == "cuda")
 
 
-def kernel_calls(params, capacity, dtype=None) -> tuple[int, int]:
+def kernel_calls(params, capacity, dtype=None, block_size=None) -> tuple[int, int]:
     """How many of a decode step's attentions call JAX's decode kernel (jitted as `gqa`, its
     Pallas kernel inside) and how many jaxkv's."""
-    cache = jaxkv.init_cache(params, 2, capacity, dtype)
+    cache = jaxkv.init_cache(params, 2, capacity, dtype, block_size=block_size)
     jaxpr = str(jax.make_jaxpr(jaxkv.decode_step)(params, cache, jnp.array([1, 2]),
                                                   jnp.array([3, 9])))
     theirs, ours = jaxpr.count("jit[name=gqa"), jaxpr.count("name=jaxkv_decode_attention\n")
@@ -67,6 +67,8 @@ def test_a_decode_step_takes_the_kernel_where_it_fits(pallas_backend):
     assert kernel_calls(window, 32) == ((1, 2) if jaxs else (0, 3))  # layer 2 is global
     capped = jaxkv.init_params(CAPPED, jax.random.key(0))
     assert kernel_calls(capped, 32) == (0, 3)
+    assert kernel_calls(params, 64, block_size=16) == (0, 3)  # pages: jaxkv's, on both
+    assert kernel_calls(params, 64, block_size=8) == (0, 0)  # pages under 16 slots
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
@@ -111,6 +113,61 @@ def test_jaxkvs_kernel_equals_the_reference(target, int8, softcap):
     lse_BTN = lse_BKG.reshape(B, 1, N)
     np.testing.assert_allclose(lse_BTN[1:], want_lse[1:], atol=1e-6, rtol=1e-6)
     assert np.isneginf(lse_BTN[0]).all() and (out_BKGH[0] == 0).all()
+
+
+@pytest.mark.parametrize("target", ["gpu", "tpu"])
+@pytest.mark.parametrize("int8", [False, True])
+def test_jaxkvs_kernel_reads_pages_as_the_reference(target, int8):
+    """Keys and values in pools of pages read through block tables (a row's pages out of order,
+    a page two rows share, pages that are none past a row's bound), masked below per-row
+    bounds: as the reference reads the same slots laid out in rows (arrays.logical)."""
+    B, N, K, H, P, NB = 3, 6, 2, 16, 16, 9
+    keys = jax.random.split(jax.random.key(5), 4)
+    q_BTNH = jax.random.normal(keys[0], (B, 1, N, H))
+    k_pool, v_pool = (jax.random.normal(k, (K, NB, P, H)) for k in keys[1:3])
+    if int8:
+        k_pool, v_pool = quantize_kv(k_pool), quantize_kv(v_pool)
+    table_BM = jnp.array([[3, 0, 7, NB], [3, 8, 1, 2], [6, 4, NB, NB]])
+    bound_B = jnp.array([40, 64, 20])
+    S = table_BM.shape[1] * P
+    mask_BS = jax.random.bernoulli(keys[3], 0.7, (B, S))
+    out_BKGH, lse_BKG = decode.attention(q_BTNH.reshape(B, K, N // K, H), k_pool, v_pool, 0.25,
+                                         bound_B, mask_BS, None, target=target, block_k=P,
+                                         k_splits=2, interpret=not on(target), table_BM=table_BM)
+    seen_BTS = (mask_BS & (jnp.arange(S) < bound_B[:, None]))[:, None]
+    k_BKSH, v_BKSH = (logical(PagedKV(pool, table_BM)) for pool in (k_pool, v_pool))
+    want, want_lse = xla.attention(q_BTNH, k_BKSH, v_BKSH, seen_BTS, 0.25)
+    np.testing.assert_allclose(out_BKGH.reshape(B, 1, N, H), want, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(lse_BKG.reshape(B, 1, N), want_lse, atol=1e-6, rtol=1e-6)
+
+
+def test_a_paged_batch_decodes_as_the_reference(monkeypatch):
+    """Under the GPU kernels, interpreted, with sliding-window rings beside the pages (16
+    slots): generate_many's paged cache and prefix cache give the reference's tokens and
+    log-probabilities; a decode step over an int8 paged cache gives its logits."""
+    params = jaxkv.init_params(GEMMA3_LIKE, jax.random.key(2))
+    prompts = [random_tokens(i, (n,)).tolist() for i, n in enumerate([20, 5, 33, 9])]
+    prompts += [prompts[2][:17] + [3, 1]]  # a full page the prefix cache shares
+
+    def run():
+        answers = jaxkv.generate_many(params, prompts, 12, batch_size=2, logprobs=1)
+        cache = jaxkv.init_cache(params, 2, 48, jnp.int8, block_size=16)
+        tokens_BT = np.array([prompts[0][:8], prompts[1] + [0] * 3])
+        _, cache = jaxkv.prefill(params, cache, tokens_BT, [8, 5])
+        step = jax.jit(jaxkv.decode_step)(params, cache, jnp.array([7, 8]), jnp.array([8, 5]))
+        return answers, step[0]
+    monkeypatch.setenv("JAXKV_OPS", "pallas")
+    if jax.default_backend() == "cpu":
+        monkeypatch.setenv("JAXKV_PALLAS_INTERPRET", "gpu")
+    jax.clear_caches()
+    ours, step = run()
+    monkeypatch.setenv("JAXKV_OPS", "xla")
+    jax.clear_caches()
+    theirs, want = run()
+    assert [a.ids for a in ours] == [a.ids for a in theirs]
+    np.testing.assert_allclose(np.concatenate([a.logprobs for a in ours]),
+                               np.concatenate([a.logprobs for a in theirs]), atol=1e-5)
+    np.testing.assert_allclose(step, want, atol=1e-5)
 
 
 @pytest.mark.parametrize("pallas_backend, name, kv_dtype", [

@@ -410,22 +410,28 @@ def add_eval_flags(ev) -> None:
     ev.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ev.add_argument("--seed", type=int, default=0, help="few-shot choice and sampling")
     ev.add_argument("--output", help="the harness's results as JSON")
+    add_process_flags(ev)
 
 
 def run_eval(args) -> None:
-    """The harness's table on stdout (and its results as JSON with --output)."""
+    """The harness's table on stdout (and its results as JSON with --output): across processes,
+    every one evaluates (the work spread over --mesh), process 0 prints and writes."""
     try:
         from jaxkv.front import lm_eval as harness
     except ImportError as e:
         raise ValueError(f"jaxkv eval needs lm-evaluation-harness ({e}): pip install "
                          f"'jaxkv[eval]'") from e
+    import jax
+
+    mesh = join_processes(args)
     results = harness.evaluate(model_path(args.model, default_model), args.tasks.split(","),
                                include_path=args.include_path, num_fewshot=args.num_fewshot,
                                limit=args.limit, batch_size=args.batch_size, dtype=args.dtype,
-                               seed=args.seed)
-    print(harness.table(results))
-    if args.output:
-        harness.write_json(results, args.output)
+                               seed=args.seed, mesh=mesh)
+    if jax.process_index() == 0:
+        print(harness.table(results))
+        if args.output:
+            harness.write_json(results, args.output)
 
 
 def main(argv=None) -> None:

@@ -28,10 +28,12 @@ from lm_eval.models.utils import (
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable, make_table
 
+from jaxkv.core.sharding import make_mesh
 from jaxkv.decoding.batching import generate_many
 from jaxkv.decoding.likelihood import loglikelihood_many, loglikelihood_rolling
 from jaxkv.formats.load import load
 from jaxkv.formats.tokenizer import load_tokenizer
+from jaxkv.front.processes import mesh_shape
 
 
 @register_model("jaxkv")
@@ -40,15 +42,22 @@ class JaxkvLM(TemplateLM):
     jaxkv.load reads; dtype (float32, bfloat16) and int8 as load's; batch_size: contexts scored
     or prompts generated at once; max_length: positions one request may use (default the
     model's max_seq_len); max_gen_toks: new tokens when a task sets none; kv_dtype: the scoring
-    caches' (init_cache's dtype); seed: the key of sampled generations."""
+    caches' (init_cache's dtype); seed: the key of sampled generations; mesh: a jax Mesh or
+    "DATAxMODEL" (the harness's model_args are text), the model loaded and every request
+    computed on it, rows over "data", the model over "model"; it may span processes
+    (jaxkv.sharding.start_processes), every process then running the same evaluation and
+    getting the same results."""
 
     def __init__(self, path=None, pretrained=None, dtype=None, int8=False, batch_size=16,
-                 max_length=None, max_gen_toks=256, kv_dtype=None, seed=0, **_harness_args):
+                 max_length=None, max_gen_toks=256, kv_dtype=None, seed=0, mesh=None,
+                 **_harness_args):
         super().__init__()
         path = path or pretrained
         if path is None:
             raise ValueError("JaxkvLM: pass path= (a model jaxkv.load reads)")
-        self.params = load(path, dtype=dtype, int8=str(int8).lower() in ("true", "1"))
+        self.mesh = make_mesh(*mesh_shape(mesh)) if isinstance(mesh, str) else mesh
+        self.params = load(path, dtype=dtype, int8=str(int8).lower() in ("true", "1"),
+                           mesh=self.mesh)
         self.tokenizer = load_tokenizer(path)
         c = self.params.config
         self.batch_size = int(batch_size)
@@ -84,7 +93,7 @@ class JaxkvLM(TemplateLM):
             room = self.max_length + 1 - len(continuation)
             pairs.append((context[-room:] if len(context) > room else context, continuation))
         results = loglikelihood_many(self.params, pairs, batch_size=self.batch_size,
-                                     kv_dtype=self.kv_dtype)
+                                     kv_dtype=self.kv_dtype, mesh=self.mesh)
         for (cache_key, _, _), result in zip(requests, results):
             if cache_key is not None:
                 self.cache_hook.add_partial("loglikelihood", cache_key, result)
@@ -94,7 +103,7 @@ class JaxkvLM(TemplateLM):
         documents = [self.tok_encode(request.args[0]) for request in requests]
         results = loglikelihood_rolling(self.params, documents, prefix_id=self.prefix_token_id,
                                         max_len=self.max_length, batch_size=self.batch_size,
-                                        kv_dtype=self.kv_dtype)
+                                        kv_dtype=self.kv_dtype, mesh=self.mesh)
         for request, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, result)
         return results
@@ -126,15 +135,16 @@ class JaxkvLM(TemplateLM):
         temperature = float(options.pop("temperature", 0.0)) if options.pop("do_sample") else 0.0
         answers = generate_many(self.params, prompts, budget, batch_size=self.batch_size,
                                 temperature=temperature, key=self.key,
-                                stop=[text for text in until if text], tokenizer=self.tokenizer)
+                                stop=[text for text in until if text], tokenizer=self.tokenizer,
+                                mesh=self.mesh)
         return [postprocess_generated_text(self.tok_decode(answer), until, None)
                 for answer in answers]
 
 
 def evaluate(path: str, tasks: list[str], *, include_path=None, num_fewshot=None, limit=None,
-             batch_size: int = 16, dtype=None, seed: int = 0) -> dict:
+             batch_size: int = 16, dtype=None, seed: int = 0, mesh=None) -> dict:
     """lm_eval.simple_evaluate of the model at path on tasks (include_path: a folder of task
-    YAML files of your own); the harness's seeds all set to seed."""
+    YAML files of your own); the harness's seeds all set to seed; mesh: JaxkvLM's."""
     limit = None if limit is None else (int(limit) if limit >= 1 else limit)
     manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks and not os.path.isfile(t)]
@@ -143,7 +153,8 @@ def evaluate(path: str, tasks: list[str], *, include_path=None, num_fewshot=None
         raise ValueError(f"tasks: {', '.join(unknown)} is not a task, group or tag the harness "
                          f"knows{hint}")
     return lm_eval.simple_evaluate(
-        model=JaxkvLM(path, dtype=dtype, batch_size=batch_size, seed=seed), tasks=tasks,
+        model=JaxkvLM(path, dtype=dtype, batch_size=batch_size, seed=seed, mesh=mesh),
+        tasks=tasks,
         num_fewshot=num_fewshot, limit=limit, task_manager=manager,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
 

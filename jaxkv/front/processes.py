@@ -7,8 +7,8 @@ import re
 
 
 def add_process_flags(cmd) -> None:
-    """One process per host, every host running the same command (--input): JAX's own
-    distributed runtime; process 0 writes --output."""
+    """One process per host, every host running the same command (generate --input, eval): JAX's
+    own distributed runtime; process 0 writes what is written."""
     env = os.environ.get
     group = cmd.add_argument_group("across hosts (one process each, the same command on each)")
     group.add_argument("--coordinator", default=env("JAX_COORDINATOR_ADDRESS"),
@@ -34,7 +34,7 @@ def join_processes(args):
     from jaxkv.core.sharding import make_mesh, start_processes
 
     if args.coordinator is not None:
-        if args.input is None:
+        if getattr(args, "prompt", None) is not None:
             raise ValueError("--coordinator: several processes answer an --input file; a PROMPT "
                              "is answered by one process")
         auto = args.coordinator == "auto"

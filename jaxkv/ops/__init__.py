@@ -58,10 +58,10 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, *, bias_BNTS=None,
     the cache will hold it. softcap (optional): scaled scores s become softcap tanh(s /
     softcap). lengths (optional, [B]): the cache slots row b's queries read are exactly [0,
     lengths[b]) (a decode step's), which a backend may read instead of the mask. A query with
-    no visible key gets output 0 and lse -inf, never NaN. A PagedKV cache is read as its rows
-    see it (arrays.logical) by every backend for now.
+    no visible key gets output 0 and lse -inf, never NaN. A PagedKV cache goes to a backend that
+    reads pages (READS_PAGES) as it is; the others get it as its rows see it (arrays.logical).
     """
-    if isinstance(k_BKSH, PagedKV):
+    if isinstance(k_BKSH, PagedKV) and not backend().READS_PAGES:
         k_BKSH, v_BKSH = logical(k_BKSH), logical(v_BKSH)
     return backend().attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
                                softcap, lengths)

@@ -11,6 +11,7 @@ from jaxkv.ops.arrays import Int8, Int8KV, dequantize_rows, quantize_kv
 BLOCK = 256  # key slots per block when attention is bounded by the filled length
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass
 HALF_KV_BITS = False  # 16-bit float caches are arrays of their dtype
+READS_PAGES = False  # a PagedKV cache comes as arrays.logical gives it
 
 
 def matmul(x_BTI, w, b_O=None, dtype=None, costly_x=False):

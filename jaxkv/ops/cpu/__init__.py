@@ -13,6 +13,7 @@ from jaxkv.ops.cpu import kernels, pages
 # XLA:CPU stores into a 16-bit float array by converting the whole layer to float32 and back;
 # a uint16 store writes only its slots, so half caches are kept as their bits (HalfKV).
 HALF_KV_BITS = True
+READS_PAGES = False  # a PagedKV cache comes as arrays.logical gives it
 LOOP_ROWS = 16  # up to this many rows of int8 products run as one loop over w's rows each
 # One row's prefill on the CPU: passes of ROW_CHUNK tokens while the kernels take its
 # float32 or int8 products and the prompt is at most ROW_CHUNK_UP_TO tokens (less padding

@@ -14,7 +14,10 @@ by log-sum-exp) goes to
   K/V, only the filled blocks read, split over the sequence);
 - for the rest, where JAX has no kernel that fits (sliding-window rings: a mask of slots, not a
   prefix; int8 caches read as int8 with their scales; soft-capped scores; on a TPU, all of
-  them): jaxkv's own, jaxkv.ops.pallas.decode, in its GPU or TPU form.
+  them): jaxkv's own, jaxkv.ops.pallas.decode, in its GPU or TPU form;
+- a paged cache's layers (PagedKV, pages of 16 to 128 slots): jaxkv's own too, reading each
+  row's pages through its block table (JAX's paged_attention kernels, GPU and TPU, return no
+  log-sum-exp, which merging the step's own key needs).
 
 Prefill chunks, tree passes and the products are XLA's for now (docs/design-notes.md says which
 kernel would take each).
@@ -27,11 +30,13 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import decode_attention
 
 from jaxkv.ops import xla
+from jaxkv.ops.arrays import PagedKV, logical
 from jaxkv.ops.pallas import decode
 from jaxkv.ops.xla import materialized, merge_parts, placed, prefill_chunk  # noqa: F401
 
 INTERPRET = {"1": "gpu", "gpu": "gpu", "tpu": "tpu"}  # JAXKV_PALLAS_INTERPRET -> kernels
 HALF_KV_BITS = False  # 16-bit float caches are arrays of their dtype, as the kernels read them
+READS_PAGES = True  # a decode step's kernel reads a PagedKV's pages through its table
 matmul = xla.matmul
 
 
@@ -54,10 +59,13 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv
               own=None, softcap=None, lengths=None):
     """jaxkv.ops.attention: a decode step's cache part goes to a kernel (see the module's
     docstring), its own key to XLA, the two merged by log-sum-exp; the rest to the XLA
-    reference."""
-    split = _split(k_BKSH.shape[2])
+    reference (a PagedKV cache as its rows see it)."""
+    paged = isinstance(k_BKSH, PagedKV)
+    split = _paged_split(k_BKSH) if paged else _split(k_BKSH.shape[2])
     if (q_BTNH.shape[1] != 1 or bias_BNTS is not None or (own is not None and own[3] is not None)
             or split is None):
+        if paged:
+            k_BKSH, v_BKSH = logical(k_BKSH), logical(v_BKSH)
         return xla.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
                              softcap)
     platform, _ = target()
@@ -67,8 +75,8 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv
                                    lengths, *split)
     if own is None:
         return out_BTNH, lse_BTN
-    own_out_BTNH, own_lse_BTN = xla.attention(q_BTNH, *xla.own_as_cache(k_BKSH, own)[:3], scale,
-                                              softcap=softcap)
+    own_keys = xla.own_as_cache(k_BKSH.pool if paged else k_BKSH, own)[:3]
+    own_out_BTNH, own_lse_BTN = xla.attention(q_BTNH, *own_keys, scale, softcap=softcap)
     return merge_parts(out_BTNH, lse_BTN, own_out_BTNH, own_lse_BTN)
 
 
@@ -82,6 +90,16 @@ def _split(S: int):
             if block is not None:
                 return k_splits, block
     return None
+
+
+def _paged_split(k: PagedKV):
+    """(k_splits, block_k) for a decode step over pages of P slots: block_k = P (16, 32, 64 or
+    128), the row's M pages split into up to 16 parts of whole pages; None if P is not one of
+    those."""
+    P, M = k.pool.shape[2], k.table.shape[1]
+    if P not in (16, 32, 64, 128):
+        return None
+    return next(n for n in (16, 8, 4, 2, 1) if M % n == 0), P
 
 
 def _decode_cache(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softcap, lengths_B,
@@ -111,7 +129,11 @@ def _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softc
     else:
         bound_B, mask_BS = lengths_B, None
     platform, interpret = target()
+    paged = isinstance(k_BKSH, PagedKV)
+    if paged:
+        k_BKSH, v_BKSH, table_BM = k_BKSH.pool, v_BKSH.pool, k_BKSH.table
     out_BKGH, lse_BKG = decode.attention(
         q_BTNH.reshape(B, K, N // K, H), k_BKSH, v_BKSH, scale, bound_B, mask_BS, softcap,
-        target=platform, block_k=block_k, k_splits=k_splits, interpret=interpret)
+        target=platform, block_k=block_k, k_splits=k_splits, interpret=interpret,
+        table_BM=table_BM if paged else None)
     return out_BKGH.reshape(B, 1, N, H), lse_BKG.reshape(B, 1, N)

@@ -29,12 +29,15 @@ MIN_ROWS = {"gpu": 16, "tpu": 8}  # query rows per program: Triton's products ta
 
 
 def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softcap=None, *,
-              target: str, block_k: int, k_splits: int = 1, interpret: bool = False):
+              target: str, block_k: int, k_splits: int = 1, interpret: bool = False,
+              table_BM=None):
     """Softmax attention of one query per (row, query head) over the cache slots s < bound_B[b]
     with mask_BS[b, s] (all of them without a mask): (out [B, K, G, H], lse [B, K, G]), float32;
     a query that reads no slot gets 0 and -inf. Keys and values: [B, K, S, H] float arrays or
     Int8KV. target: "gpu" (S = k_splits parts of whole blocks of block_k slots) or "tpu" (S
-    whole blocks)."""
+    whole blocks). table_BM: keys and values are pools of pages [K, NB, block_k, H] (a
+    PagedKV's), row b's slot s in page table_BM[b, s // block_k] (S = M block_k; a page id
+    of NB or more is none: its slots must be past the bound or masked)."""
     G = q_BKGH.shape[2]
     rows = max(MIN_ROWS[target], 1 << (G - 1).bit_length())
     quantized = isinstance(k_BKSH, Int8KV)
@@ -47,17 +50,20 @@ def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softc
                               masked=mask_BS is not None)
     run = _on_gpu if target == "gpu" else _on_tpu
     out_BKRH, lse_BKR = run(block, bound_B.astype(jnp.int32), q_BKRH, cache, block_k=block_k,
-                            k_splits=k_splits, interpret=interpret)
+                            k_splits=k_splits, interpret=interpret, table_BM=table_BM)
     return out_BKRH[:, :, :G], lse_BKR[:, :, :G]
 
 
-def _block(state, q_RH, refs, at, first_slot, bound, *, scale, softcap, quantized, masked):
+def _block(state, q_RH, refs, at, first_slot, bound, *, scale, softcap, quantized, masked,
+           mask_at=None):
     """The softmax state (max [R], sum of weights [R], weighted sum of values [R, H]) after the
-    block of cache slots `at` (a slice of refs: keys, values, their scales, the mask), whose
-    first slot is first_slot."""
+    block of cache slots `at` (an index of refs: keys, values, their scales; a tuple (page,
+    slots) in a pool), whose first slot is first_slot; the mask (refs[-1]) is read at mask_at
+    (default `at`)."""
     max_R, total_R, acc_RH = state
     k_ref, k_scale, v_ref, v_scale = refs[:4] if quantized else (refs[0], None, refs[1], None)
-    k_CH = k_ref[at, :].astype(q_RH.dtype)
+    at = at if isinstance(at, tuple) else (at,)
+    k_CH = k_ref[(*at, slice(None))].astype(q_RH.dtype)
     scores_RC = _product(q_RH, k_CH, 1) * scale
     if quantized:
         scores_RC = scores_RC * k_scale[at][None, :]
@@ -65,7 +71,7 @@ def _block(state, q_RH, refs, at, first_slot, bound, *, scale, softcap, quantize
         scores_RC = softcap * jnp.tanh(scores_RC / softcap)
     seen_C = first_slot + jnp.arange(k_CH.shape[0]) < bound
     if masked:
-        seen_C = seen_C & (refs[-1][at] != 0)
+        seen_C = seen_C & (refs[-1][at[-1] if mask_at is None else mask_at] != 0)
     scores_RC = jnp.where(seen_C[None, :], scores_RC, -jnp.inf)
     new_max_R = jnp.maximum(max_R, scores_RC.max(axis=1))
     base_R = jnp.where(new_max_R == -jnp.inf, 0.0, new_max_R)
@@ -74,7 +80,7 @@ def _block(state, q_RH, refs, at, first_slot, bound, *, scale, softcap, quantize
     total_R = total_R * old_R + weights_RC.sum(axis=1)
     if quantized:
         weights_RC = weights_RC * v_scale[at][None, :]
-    v_CH = v_ref[at, :].astype(q_RH.dtype)
+    v_CH = v_ref[(*at, slice(None))].astype(q_RH.dtype)
     acc_RH = acc_RH * old_R[:, None] + _product(weights_RC.astype(v_CH.dtype), v_CH, 0)
     return new_max_R, total_R, acc_RH
 
@@ -92,58 +98,90 @@ def _empty_state(rows: int, H: int):
             jnp.zeros((rows, H), jnp.float32))
 
 
-def _cache_specs(cache, length: int, index):
+def _cache_specs(cache, length: int, index, page=None):
     """BlockSpecs of `length` slots of the cache arrays ([B, K, S, H] numbers, [B, K, S] scales,
-    [B, S] mask) at the block index(b, k, *rest) says."""
+    [B, S] mask) at the block index(b, k, *rest) says; with page(b, k, *rest), the numbers and
+    scales are pools ([K, NB, P, H], [K, NB, P]) read at that page (the mask as before)."""
     def spec(x):
         if x.ndim == 2:
             return pl.BlockSpec((None, length), lambda b, k, *r: (b, index(b, k, *r)))
         tail = x.shape[3:]
+        if page is None:
+            return pl.BlockSpec((None, None, length, *tail),
+                                lambda b, k, *r: (b, k, index(b, k, *r), *(0,) * len(tail)))
         return pl.BlockSpec((None, None, length, *tail),
-                            lambda b, k, *r: (b, k, index(b, k, *r), *(0,) * len(tail)))
+                            lambda b, k, *r: (k, page(b, k, *r), 0, *(0,) * len(tail)))
     return [spec(x) for x in cache]
 
 
-def _on_gpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret):
-    """Programs over (row, kv head, part); each loops over its part's blocks below the bound."""
+def _pool_specs(cache, part: int):
+    """BlockSpecs giving a GPU program its kv head's whole pools ([NB, P, H] numbers, [NB, P]
+    scales) and its part of the row's mask."""
+    def spec(x):
+        if x.ndim == 2:
+            return pl.BlockSpec((None, part), lambda b, k, j: (b, j))
+        return pl.BlockSpec((None, *x.shape[1:]), lambda b, k, j: (k,) + (0,) * (x.ndim - 1))
+    return [spec(x) for x in cache]
+
+
+def _on_gpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret, table_BM=None):
+    """Programs over (row, kv head, part); each loops over its part's blocks below the bound
+    (with table_BM: pages of block_k slots, looked up in the row's table)."""
     B, K, rows, H = q_BKRH.shape
-    part = cache[0].shape[2] // k_splits
+    paged = table_BM is not None
+    part = (table_BM.shape[1] * block_k if paged else cache[0].shape[2]) // k_splits
 
     def kernel(bound_ref, q_ref, *refs):
+        table_ref, refs = (refs[0], refs[1:]) if paged else (None, refs)
         cache_refs, (out_ref, max_ref, total_ref) = refs[:-3], refs[-3:]
         start = pl.program_id(2) * part
         bound = bound_ref[()]
-        step = lambda i, state: block(state, q_ref[...], cache_refs,
-                                      pl.ds(i * block_k, block_k), start + i * block_k, bound)
+
+        def step(i, state):
+            slots = pl.ds(i * block_k, block_k)
+            if not paged:
+                return block(state, q_ref[...], cache_refs, slots, start + i * block_k, bound)
+            page = jnp.minimum(table_ref[start // block_k + i], cache[0].shape[1] - 1)
+            return block(state, q_ref[...], cache_refs, (page, pl.ds(0, block_k)),
+                         start + i * block_k, bound, mask_at=slots)
         n_blocks = jnp.clip(pl.cdiv(bound - start, block_k), 0, part // block_k)
         out_ref[...], max_ref[...], total_ref[...] = _reorder(jax.lax.fori_loop(
             0, n_blocks, step, _empty_state(rows, H)))
 
     per_part = lambda *shape: pl.BlockSpec((None, None, None, *shape),
                                            lambda b, k, j: (b, k, j) + (0,) * len(shape))
+    tables = [pl.BlockSpec((None, table_BM.shape[1]), lambda b, k, j: (b, 0))] if paged else []
     out_BKJRH, max_BKJR, total_BKJR = pl.pallas_call(
         kernel, grid=(B, K, k_splits),
         in_specs=[pl.BlockSpec((None,), lambda b, k, j: (b,)),
-                  pl.BlockSpec((None, None, rows, H), lambda b, k, j: (b, k, 0, 0)),
-                  *_cache_specs(cache, part, lambda b, k, j: j)],
+                  pl.BlockSpec((None, None, rows, H), lambda b, k, j: (b, k, 0, 0)), *tables,
+                  *(_pool_specs(cache, part) if paged else
+                    _cache_specs(cache, part, lambda b, k, j: j))],
         out_specs=[per_part(rows, H), per_part(rows), per_part(rows)],
         out_shape=[jax.ShapeDtypeStruct((B, K, k_splits, rows, H), jnp.float32),
                    jax.ShapeDtypeStruct((B, K, k_splits, rows), jnp.float32),
                    jax.ShapeDtypeStruct((B, K, k_splits, rows), jnp.float32)],
         interpret=interpret, name="jaxkv_decode_attention",
-    )(bound_B, q_BKRH, *cache)
+    )(bound_B, q_BKRH, *([table_BM] if paged else []), *cache)
     return _merge_parts(out_BKJRH, max_BKJR, total_BKJR)
 
 
-def _on_tpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret):
+def _on_tpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret, table_BM=None):
     """A grid over (row, kv head, block), blocks in order; a block past the row's bound maps to
-    the last one read (so it is not copied in again) and is skipped."""
+    the last one read (so it is not copied in again) and is skipped. With table_BM the blocks
+    are pages of pools, the table prefetched beside the bounds and looked up as blocks are
+    copied in."""
     B, K, rows, H = q_BKRH.shape
-    n_blocks = cache[0].shape[2] // block_k
+    paged = table_BM is not None
+    n_blocks = table_BM.shape[1] if paged else cache[0].shape[2] // block_k
     last = lambda b, bound_ref: jnp.maximum(pl.cdiv(bound_ref[b], block_k) - 1, 0)
-    at = lambda b, k, i, bound_ref: jnp.minimum(i, last(b, bound_ref))
+    at = lambda b, k, i, bound_ref, *_: jnp.minimum(i, last(b, bound_ref))
+    page = (lambda b, k, i, bound_ref, table_ref: jnp.minimum(
+        table_ref[b, at(b, k, i, bound_ref)], cache[0].shape[1] - 1)) if paged else None
+    prefetch = (bound_B, table_BM) if paged else (bound_B,)
 
-    def kernel(bound_ref, q_ref, *refs):
+    def kernel(*refs):
+        bound_ref, (q_ref, *refs) = refs[0], refs[len(prefetch):]
         cache_refs, (out_ref, lse_ref), state = refs[:-5], refs[-5:-3], refs[-3:]
         b, i = pl.program_id(0), pl.program_id(2)
 
@@ -166,11 +204,11 @@ def _on_tpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret):
             lse_ref[...] = jnp.where(total_R > 0, max_R + jnp.log(total_R), -jnp.inf)
 
     grid = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=(B, K, n_blocks),
-        in_specs=[pl.BlockSpec((None, None, rows, H), lambda b, k, i, bound: (b, k, 0, 0)),
-                  *_cache_specs(cache, block_k, at)],
-        out_specs=[pl.BlockSpec((None, None, rows, H), lambda b, k, i, bound: (b, k, 0, 0)),
-                   pl.BlockSpec((None, None, rows), lambda b, k, i, bound: (b, k, 0))],
+        num_scalar_prefetch=len(prefetch), grid=(B, K, n_blocks),
+        in_specs=[pl.BlockSpec((None, None, rows, H), lambda b, k, i, *_: (b, k, 0, 0)),
+                  *_cache_specs(cache, block_k, at, page)],
+        out_specs=[pl.BlockSpec((None, None, rows, H), lambda b, k, i, *_: (b, k, 0, 0)),
+                   pl.BlockSpec((None, None, rows), lambda b, k, i, *_: (b, k, 0))],
         scratch_shapes=[pltpu.VMEM((rows,), jnp.float32), pltpu.VMEM((rows,), jnp.float32),
                         pltpu.VMEM((rows, H), jnp.float32)])
     return pl.pallas_call(
@@ -181,7 +219,7 @@ def _on_tpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret):
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="jaxkv_decode_attention",
-    )(bound_B, q_BKRH, *cache)
+    )(*prefetch, q_BKRH, *cache)
 
 
 def _reorder(state):
