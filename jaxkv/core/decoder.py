@@ -139,13 +139,19 @@ def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None):
 
     This is the reference every cached path is tested against. Encoder-decoder models also take
     encoder_inputs (and encoder_lengths for padded token inputs); the encoder runs here too.
+    The arguments are checked here; the computation is compiled once per shape (called op by
+    op it would compile each operation of every layer for each new length).
     """
     tokens_BT = checks.tokens_2d(params.config, tokens, "tokens")
-    B, T = tokens_BT.shape
     cross = None
     if params.config.is_encoder_decoder or encoder_inputs is not None:
-        k, v, mask_BM = encoder.cross_cache(params, encoder_inputs, encoder_lengths, B)
-        cross = (k, v, mask_BM)
+        cross = encoder.cross_cache(params, encoder_inputs, encoder_lengths, tokens_BT.shape[0])
+    return _forward(params, tokens_BT, cross)
+
+
+@jax.jit
+def _forward(params: Params, tokens_BT, cross):
+    B, T = tokens_BT.shape
     pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
     x_BTD = embed(params, tokens_BT, pos_BT)
     bias = self_bias(params, pos_BT, pos_BT)
