@@ -43,13 +43,16 @@ def fake_quantized(params, enc_inputs=None):
             q, round_trip(k), round_trip(v), *args, **kwargs))
         if cross is not None:
             mp.setattr(encoder, "cross_cache", lambda *args: cross)
-        yield
+        jax.clear_caches()  # forward's computation is jitted: traced anew under the patch
+        try:
+            yield
+        finally:
+            jax.clear_caches()  # and again without it
 
 
 def reference(params, tokens_BT, enc_inputs=None):
-    with fake_quantized(params, enc_inputs):  # (a new function: traced under the patch)
-        forward = jax.jit(lambda p, t: jaxkv.forward(p, t, encoder_inputs=enc_inputs))
-        return np.asarray(forward(params, tokens_BT))
+    with fake_quantized(params, enc_inputs):
+        return np.asarray(jaxkv.forward(params, tokens_BT, encoder_inputs=enc_inputs))
 
 
 def decode_all(params, tokens_BT, prefill_len, capacity, dtype, enc_inputs=None):

@@ -421,17 +421,11 @@ def run_eval(args) -> None:
     except ImportError as e:
         raise ValueError(f"jaxkv eval needs lm-evaluation-harness ({e}): pip install "
                          f"'jaxkv[eval]'") from e
-    import jax
-
-    mesh = join_processes(args)
     results = harness.evaluate(model_path(args.model, default_model), args.tasks.split(","),
                                include_path=args.include_path, num_fewshot=args.num_fewshot,
                                limit=args.limit, batch_size=args.batch_size, dtype=args.dtype,
-                               seed=args.seed, mesh=mesh)
-    if jax.process_index() == 0:
-        print(harness.table(results))
-        if args.output:
-            harness.write_json(results, args.output)
+                               seed=args.seed, mesh=join_processes(args))
+    harness.report(results, args.output)
 
 
 def main(argv=None) -> None:

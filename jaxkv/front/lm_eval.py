@@ -159,12 +159,13 @@ def evaluate(path: str, tasks: list[str], *, include_path=None, num_fewshot=None
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
 
 
-def table(results: dict) -> str:
-    """The harness's own table of the results."""
-    return make_table(results)
-
-
-def write_json(results: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump({k: v for k, v in results.items() if k != "samples"}, f, indent=1,
-                  default=handle_non_serializable)
+def report(results: dict, output=None) -> None:
+    """The harness's table on stdout and (output: a path) its results as JSON, by process 0
+    alone when several run the evaluation."""
+    if jax.process_index() != 0:
+        return
+    print(make_table(results))
+    if output:
+        with open(output, "w") as f:
+            json.dump({k: v for k, v in results.items() if k != "samples"}, f, indent=1,
+                      default=handle_non_serializable)
