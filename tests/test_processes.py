@@ -16,6 +16,7 @@ import jax
 import pytest
 
 import jaxkv
+from jaxkv.front import cli
 from tests.conftest import CONFIGS, char_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,11 +143,10 @@ def test_command_line_across_processes_survives_a_kill(tmp_path):
     assert all(code == 0 for code, _ in rerun), rerun
     answers = [json.loads(line) for line in lines_of(out)]
     assert sorted(a["id"] for a in answers) == list(range(1, len(prompts) + 1))  # each once
-    alone = tmp_path / "alone.jsonl"
-    subprocess.run([sys.executable, "-m", "jaxkv", "generate", "--model", str(model), "--input",
-                    str(tmp_path / "in.jsonl"), "--output", str(alone), "--max-new-tokens", "16",
-                    "--batch-size", "4"], cwd=ROOT, check=True, capture_output=True,
-                   env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    alone = tmp_path / "alone.jsonl"  # the same job in this one process
+    cli.main(["generate", "--model", str(model), "--input", str(tmp_path / "in.jsonl"),
+              "--output", str(alone), "--max-new-tokens", "16", "--batch-size", "4",
+              "--compile-cache", "off"])
     by_id = {a["id"]: a for a in map(json.loads, lines_of(alone))}
     assert all(a == by_id[a["id"]] for a in answers)
 
@@ -163,8 +163,6 @@ JOIN = ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0"]
     (FILES + JOIN + ["--process-timeout", "0"], "timeout_s must be a whole number"),
 ])
 def test_bad_process_flags_are_one_line(tmp_path, monkeypatch, flags, words):
-    from jaxkv.front import cli
-
     monkeypatch.chdir(tmp_path)
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
     with pytest.raises(SystemExit) as e:
