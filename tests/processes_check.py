@@ -81,14 +81,15 @@ def jobs(out: str, *checkpoints: str):
     params = jaxkv.init_params(CONFIG, jax.random.key(0))  # the same on every process
     results = {"process": jax.process_index(), "devices": jax.device_count(),
                "local_devices": jax.local_device_count()}
-    for name, mesh in meshes().items():
+    spans = meshes()
+    for name, mesh in spans.items():
         results[name] = run(params, mesh, every_job=name == "data across processes")
     if jax.process_index() == 0:  # one process's run alone is enough: the others equal it
         with jax.default_device(jax.local_devices()[0]):
             alone = run(params, None)
-        for name in meshes():
+        for name in spans:
             results[name] = dict(compare(alone, results[name]), answers=results[name])
-    return dict(results, loaded=load(out, *checkpoints, mesh=meshes()["model across processes"]))
+    return dict(results, loaded=load(out, *checkpoints, mesh=spans["model across processes"]))
 
 
 def peak_bytes() -> int:

@@ -154,8 +154,7 @@ def evaluate(path: str, tasks: list[str], *, include_path=None, num_fewshot=None
                          f"knows{hint}")
     return lm_eval.simple_evaluate(
         model=JaxkvLM(path, dtype=dtype, batch_size=batch_size, seed=seed, mesh=mesh),
-        tasks=tasks,
-        num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+        tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
 
 

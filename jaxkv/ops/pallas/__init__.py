@@ -129,11 +129,11 @@ def _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softc
     else:
         bound_B, mask_BS = lengths_B, None
     platform, interpret = target()
-    paged = isinstance(k_BKSH, PagedKV)
-    if paged:
+    table_BM = None
+    if isinstance(k_BKSH, PagedKV):
         k_BKSH, v_BKSH, table_BM = k_BKSH.pool, v_BKSH.pool, k_BKSH.table
     out_BKGH, lse_BKG = decode.attention(
         q_BTNH.reshape(B, K, N // K, H), k_BKSH, v_BKSH, scale, bound_B, mask_BS, softcap,
         target=platform, block_k=block_k, k_splits=k_splits, interpret=interpret,
-        table_BM=table_BM if paged else None)
+        table_BM=table_BM)
     return out_BKGH.reshape(B, 1, N, H), lse_BKG.reshape(B, 1, N)
