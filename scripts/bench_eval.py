@@ -5,17 +5,16 @@
                  choices of 2 to 8 tokens (the next tokens of the text, and three from
                  elsewhere), so 4 x --contexts requests: jaxkv.loglikelihood_many against the
                  harness's own Hugging Face model (HFLM._loglikelihood_tokens on the same token
-                 requests, its --hf-batch-size), the same SmolLM2-135M-Instruct weights in
-                 float32 (the shipped GGUF, dequantized by each library). Results compared
-                 (largest difference of a log-likelihood, greedy flags equal).
+                 requests, its --hf-batch-size), the same weights in float32 (--model, by
+                 default SmolLM2-135M-Instruct's shipped GGUF, dequantized by each library).
+                 Results compared (largest difference of a log-likelihood, greedy flags equal).
 
   prefix         --prompts prompts sharing a few-shot prefix of --prefix-len tokens (the text's
                  first), each ending in its own --question-len tokens, 16 new tokens each,
                  greedy: generate_many with its prefix cache against prefix_cache=False (both
                  compiled first on a few prompts); answers compared.
   memory         --rows rows of mixed lengths (one of --longest tokens, the rest of 20 to 100),
-                 16 new
-                 tokens: the paged pool generate_many sizes for them against the contiguous
+                 16 new tokens: the paged pool generate_many sizes for them against the contiguous
                  layout's batch x capacity slots; the answers (batch 16) against the contiguous
                  layout's (block_size=None).
 
@@ -65,13 +64,17 @@ def seconds(run):
 
 
 def hf_model(path: str, batch_size: int):
-    """lm-evaluation-harness's Hugging Face model over the GGUF file at path, float32, CPU."""
+    """lm-evaluation-harness's Hugging Face model over path (a GGUF file or a transformers
+    directory), float32, CPU."""
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=os.path.dirname(path), gguf_file=os.path.basename(path),
-                dtype="float32", device="cpu", batch_size=batch_size,
-                tokenizer=os.path.dirname(path) if os.path.exists(
-                    os.path.join(os.path.dirname(path), "tokenizer.json")) else None)
+    common = dict(dtype="float32", device="cpu", batch_size=batch_size)
+    if os.path.isdir(path):
+        return HFLM(pretrained=path, **common)
+    folder = os.path.dirname(path)
+    return HFLM(pretrained=folder, gguf_file=os.path.basename(path), **common,
+                tokenizer=folder if os.path.exists(os.path.join(folder, "tokenizer.json"))
+                else None)
 
 
 def bench_loglikelihood(args, params, tokenizer, path) -> dict:
@@ -162,9 +165,11 @@ def main():
                     help="the pool of both prefix runs (so one compile serves each)")
     ap.add_argument("--longest", type=int, default=2048, help="the memory cell's long prompt")
     ap.add_argument("--rows", type=int, default=64, help="the memory cell's rows")
+    ap.add_argument("--model", default=None, help="a GGUF file or transformers directory "
+                    "(default: jaxkv.default_model(), SmolLM2-135M-Instruct)")
     ap.add_argument("--out", default=f"{results_dir()}/bench_eval")
     args = ap.parse_args()
-    path = jaxkv.default_model()
+    path = args.model or jaxkv.default_model()
     params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)
     result = dict(cpu=cpu_name(), model=os.path.basename(path),
                   loglikelihood=bench_loglikelihood(args, params, tokenizer, path),

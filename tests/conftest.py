@@ -147,6 +147,24 @@ def char_tokenizer(vocab_size: int):
     return tokenizer
 
 
+def save_tiny_llama(folder, max_positions: int = 128) -> None:
+    """A random transformers Llama with the character tokenizer (end of text and padding:
+    <unk>, id 96) saved in folder: what lm-evaluation-harness's Hugging Face backend and
+    jaxkv.load both read."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, max_position_embeddings=max_positions,
+        **dict(HF_TINY, eos_token_id=96, pad_token_id=96))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=char_tokenizer(97), eos_token="<unk>", unk_token="<unk>",
+        pad_token="<unk>").save_pretrained(folder)
+
+
 def random_tokens(key, shape, vocab=TINY["vocab_size"]):
     return jax.random.randint(jax.random.key(key), shape, 0, vocab)
 

@@ -101,9 +101,9 @@ def peak_bytes() -> int:
 
 def load(out: str, *checkpoints: str, mesh=None):
     """Per checkpoint: the loaded leaves equal the ones read alone (each process's shares),
-    whether every big leaf is split, and the peak memory loading added over the checkpoint's
-    size on disk (the first load's: the peak only grows). mesh: the model across every
-    device unless given."""
+    whether every big leaf is split, the bytes of this process's shares, and the peak memory
+    loading added (the first load's: the peak only grows) beside the checkpoint's size on disk.
+    mesh: the model across every device unless given."""
     mesh = mesh or make_mesh(1, jax.device_count())
     results = {}
     for path in checkpoints:
@@ -116,7 +116,8 @@ def load(out: str, *checkpoints: str, mesh=None):
         same = all(np.array_equal(s.data, np.asarray(w)[s.index])
                    for x, w in zip(jax.tree.leaves(params), jax.tree.leaves(whole))
                    for s in x.addressable_shards)
-        results[path] = {"same": same, "added": added, "size": size,
+        shares = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
+        results[path] = {"same": same, "added": added, "size": size, "shares": shares,
                          "embed_spec": str(params.embed.sharding.spec)}
         del whole
     return results

@@ -9,7 +9,7 @@ import lm_eval  # the test extra installs it
 import numpy as np
 import pytest
 
-from tests.conftest import HF_TINY, char_tokenizer
+from tests.conftest import save_tiny_llama
 
 QUESTIONS = [
     {"question": "The sky is", "choices": [" blue", " green", " loud"], "label": 0},
@@ -42,19 +42,8 @@ metric_list: [{metric: exact_match}]"""),
 def tiny(tmp_path_factory):
     """(model directory, task directory): a random Llama with a character tokenizer (end of
     text: <unk>, id 96) and the tasks' YAML and JSONL files."""
-    import torch
-    import transformers
-
     model_dir, task_dir = (tmp_path_factory.mktemp(n) for n in ("model", "tasks"))
-    config = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, max_position_embeddings=128,
-        **dict(HF_TINY, eos_token_id=96, pad_token_id=96))
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(model_dir)
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=char_tokenizer(97), eos_token="<unk>", unk_token="<unk>",
-        pad_token="<unk>").save_pretrained(model_dir)
+    save_tiny_llama(model_dir)
     for task, (data, rows, spec) in TASKS.items():
         (task_dir / data).write_text("".join(json.dumps(r) + "\n" for r in rows))
         (task_dir / f"{task}.yaml").write_text(
