@@ -79,22 +79,31 @@ WINDOWED = jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=96, sliding_window=8
                               window_layers=(0, 2), **TINY)
 
 
-@pytest.mark.parametrize("backend, name, dtype", [
-    ("default", "llama", jnp.float32), ("default", "llama", jnp.int8),
-    ("default", "windowed", jnp.float32), ("xla", "llama", jnp.bfloat16)])
-def test_paged_layers_answer_as_unpaged_ones(request, backend, name, dtype):
-    """Blocks of 8 slots in a shuffled order, with blocks no row owns: every logit of a prefill
-    and 10 decode steps equals the unpaged cache's; window layers keep their rings."""
+# Per block size: (capacity, blocks in the pool, the rows' tables: shuffled, some blocks no row
+# owns, and of 16 slots a block of "none" past what row 0 writes).
+TABLES = {8: (32, 11, [[7, 2, 10, 4], [0, 5, 1, 8]]), 16: (48, 6, [[4, 1, 6], [0, 5, 2]])}
+
+
+@pytest.mark.parametrize("backend, name, dtype, block_size", [
+    ("default", "llama", jnp.float32, 8), ("default", "llama", jnp.int8, 8),
+    ("default", "windowed", jnp.float32, 8), ("xla", "llama", jnp.bfloat16, 8),
+    ("default", "llama", jnp.float32, 16), ("default", "llama", jnp.bfloat16, 16),
+    ("default", "llama", jnp.int8, 16)])
+def test_paged_layers_answer_as_unpaged_ones(request, backend, name, dtype, block_size):
+    """Blocks of 8 or 16 slots in a shuffled order, with blocks no row owns: every logit of a
+    prefill and 10 decode steps equals the unpaged cache's; window layers keep their rings. On
+    the CPU, blocks of 16 are read through the table by the attention kernel, 8 gathered."""
     if backend == "xla":
         request.getfixturevalue("xla_backend")
     params = (request.getfixturevalue("llama") if name == "llama"
               else jaxkv.init_params(WINDOWED, jax.random.key(5)))
     tokens_BT = np.asarray(random_tokens(3, (2, 22)))
-    paged = jaxkv.init_cache(params, 2, 32, dtype, block_size=8, blocks=11)
-    paged = with_table(paged, jnp.array([[7, 2, 10, 4], [0, 5, 1, 8]], jnp.int32))
+    capacity, blocks, table = TABLES[block_size]
+    paged = jaxkv.init_cache(params, 2, capacity, dtype, block_size=block_size, blocks=blocks)
+    paged = with_table(paged, jnp.array(table, jnp.int32))
     assert [isinstance(x, PagedKV) for x in readable(paged)[0]] == [
         i not in params.config.window_layers for i in range(3)]
-    want = decode_all(params, jaxkv.init_cache(params, 2, 32, dtype), tokens_BT, 12)
+    want = decode_all(params, jaxkv.init_cache(params, 2, capacity, dtype), tokens_BT, 12)
     np.testing.assert_array_equal(decode_all(params, paged, tokens_BT, 12), want)
 
 

@@ -19,7 +19,7 @@ from jaxkv.core import decoder
 from jaxkv.core.quant import quantize_matrix
 from jaxkv.ops import cpu as cpu_ops
 from jaxkv.ops import xla
-from jaxkv.ops.arrays import dequantize_rows
+from jaxkv.ops.arrays import PagedKV, dequantize_rows, half_kv, logical, quantize_kv
 from jaxkv.ops.cpu import kernels
 from tests.conftest import CONFIGS, assert_decode_equals_forward, random_tokens
 
@@ -153,6 +153,22 @@ def test_decode_step_calls_the_kernels_on_the_cpu():
 
 
 @on_the_cpu
+@pytest.mark.parametrize("block_size,layer,table", [(16, "2x4x16x16", "2x2"),
+                                                    (8, "2x2x32x16", "2x0")])
+def test_paged_steps_attend_over_the_pools_in_the_kernel(block_size, layer, table):
+    """A decode step over a paged cache of blocks of 16 slots hands every layer's pools [K, NB,
+    P, H] and the table [B, M] to the attention kernel; blocks of 8 are gathered into [B, K, S,
+    H] first (the table it gets is empty: [B, 0])."""
+    params = jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(0))
+    cache = jaxkv.init_cache(params, 2, 32, block_size=block_size)
+    step = jax.jit(jaxkv.decode_step).lower(params, cache, jnp.zeros(2, jnp.int32),
+                                            jnp.zeros(2, jnp.int32))
+    calls = [line for line in step.as_text().splitlines() if "@jaxkv_attend(" in line]
+    assert len(calls) == 3 and all(f"tensor<{layer}xf32>, tensor<{layer}xf32>" in line and
+                                   f"tensor<{table}xi32>)" in line for line in calls)
+
+
+@on_the_cpu
 def test_prefill_chunks_attend_in_the_kernel_on_the_cpu():
     """A chunk of more queries than a tile holds (here 100 tokens x G query heads) goes to the
     attention kernel at every layer, and the result is forward's."""
@@ -204,9 +220,10 @@ def test_the_kernels_build_for_arm(monkeypatch, tmp_path):
 
 
 # The tests a narrower build runs: every product's forms and tails; attention's decode and
-# prefill paths (float, bfloat16, int8 cache, soft cap) and key splits.
+# prefill paths (float, bfloat16, int8 cache, soft cap, paged caches) and key splits.
 NARROW = ("product_equals or rows_equals or tails or in_flight or splits or 3_tiles_3_blocks or "
-          "decode_4_queries_bfloat16_softcap or (int8_cache and (3_queries or 2_tiles))")
+          "decode_4_queries_bfloat16_softcap or (int8_cache and (3_queries or 2_tiles)) or "
+          "(paged_cache and (decode_3_queries or int8))")
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the narrower builds named are x86's")
@@ -240,14 +257,20 @@ def attention_case(H, dtype, key=0, T=3, N=4, S=37):
 
 
 def assert_kernel_attention_equals_xla(target, q_BTNH, k, v, mask_BTS, kv_len, own, softcap):
-    """The CPU backend's attention calls the kernel entry `target`, and its output and
-    log-sum-exp equal XLA's attention; a query that sees no key (row 1's first token in
-    attention_case) gets 0 and -inf."""
-    call = lambda f: jax.jit(lambda q: f(q, k, v, mask_BTS, 0.3, None, kv_len, own,  # noqa
-                                         softcap))
-    assert f"@{target}(" in call(cpu_ops.attention).lower(q_BTNH).as_text()
-    (out, lse), (want, want_lse) = (call(f)(q_BTNH) for f in (cpu_ops.attention,
-                                                              xla.attention))
+    """The CPU backend's attention calls the kernel entry `target` (a PagedKV cache: with its
+    pools, no gather of its rows), and its output and log-sum-exp equal XLA's attention (over a
+    PagedKV as its rows see it); a query that sees no key (row 1's first token in
+    attention_case) gets 0 and -inf. The cache is an argument, as a step passes it: XLA:CPU
+    folded a constant bfloat16 pool's gather (arrays.logical) to wrong numbers."""
+    def call(f, k, v):
+        attend = jax.jit(lambda q, k, v: f(q, k, v, mask_BTS, 0.3, None, kv_len, own, softcap))
+        return attend.lower(q_BTNH, k, v), attend(q_BTNH, k, v)
+    lowered, (out, lse) = call(cpu_ops.attention, k, v)
+    assert f"@{target}(" in lowered.as_text()
+    if isinstance(k, PagedKV):
+        assert "gather" not in lowered.as_text()
+        k, v = logical(k), logical(v)
+    _, (want, want_lse) = call(xla.attention, k, v)
     np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
     np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=2e-5)
     assert np.isneginf(lse[1, 0]).all() and (out[1, 0] == 0).all()
@@ -298,7 +321,6 @@ def test_attention_kernel_reads_an_int8_cache(H, softcap, kv_len, T, N, S):
     XLA's attention over the same int8 numbers; a query that sees no key gets 0 and -inf. A
     decode step's path (at most 8 queries per kv head, whole vectors of head size) and the
     general one (a prefill chunk's tiles and blocks)."""
-    from jaxkv.ops.arrays import quantize_kv
     q_BTNH, (k, v, k_own, v_own), mask_BTS, mask_BTU = attention_case(H, jnp.float32, T=T, N=N,
                                                                       S=S)
     if kv_len is not None:
@@ -308,14 +330,65 @@ def test_attention_kernel_reads_an_int8_cache(H, softcap, kv_len, T, N, S):
                                        mask_BTS, kv_len, own, softcap)
 
 
-@pytest.mark.parametrize("dtype,seen,H", [(jnp.float32, "gap", 20), (jnp.bfloat16, "gap", 20),
-                                          (jnp.float32, "own only", 20), (jnp.float32, "gap", 64),
-                                          (jnp.bfloat16, "own only", 64)])
-def test_attention_kernel_splits_a_decode_steps_keys(dtype, seen, H):
+def paged_case(H, dtype, T, N, P, M, key=0):
+    """attention_case's queries, mask and own keys over a paged cache of M pages of P slots a
+    row: pools [2, NB, P, H] of random keys and values (as dtype stores them: HalfKV for
+    bfloat16, Int8KV for int8) with a page no row reads, the rows' tables out of order and
+    sharing a page (row 1's second is row 0's first), each with a page of "none" (NB or more,
+    row 0's between pages it reads) whose slots the mask hides."""
+    q_BTNH, (_, _, k_own, v_own), mask_BTS, mask_BTU = attention_case(
+        H, jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32, key, T, N, S=M * P)
+    NB = 2 * M + 1
+    table_BM = np.random.default_rng(key).permutation(NB)[:2 * M].reshape(2, M)
+    table_BM[1, 1] = table_BM[0, 0]
+    table_BM[0, 1], table_BM[1, M - 1] = NB, NB + 5
+    mask_BTS = mask_BTS & ~np.repeat(table_BM >= NB, P, axis=1)[:, None]
+    form = {jnp.float32: lambda x: x, jnp.bfloat16: lambda x: half_kv(x, jnp.bfloat16),
+            jnp.int8: quantize_kv}[dtype]
+    k, v = (PagedKV(form(jax.random.normal(key, (2, NB, P, H))), jnp.asarray(table_BM))
+            for key in jax.random.split(jax.random.key(key + 9)))
+    return q_BTNH, k, v, mask_BTS, (k_own, v_own, mask_BTU, None)
+
+
+@pytest.mark.parametrize("H,dtype,kv_len,T,N,P,M", [
+    (64, jnp.float32, None, 1, 6, 16, 5), (64, jnp.bfloat16, 70, 2, 8, 32, 4),
+    (32, jnp.int8, None, 1, 16, 16, 6), (24, jnp.float32, None, 50, 6, 16, 19),
+    (16, jnp.bfloat16, 250, 70, 2, 16, 18), (20, jnp.int8, 300, 40, 4, 128, 3)],
+    ids=["decode_3_queries", "decode_4_queries_bfloat16_kv_len", "decode_8_queries_int8",
+         "3_tiles_3_blocks", "2_tiles_bfloat16_kv_len", "2_tiles_int8_pages_of_128"])
+@on_the_cpu
+def test_attention_kernel_reads_a_paged_cache(H, dtype, kv_len, T, N, P, M):
+    """A PagedKV cache of pages of 16 to 128 slots goes to the kernel as its pools and table
+    (no gather), float32, bfloat16 (HalfKV) and int8 (Int8KV), equal to XLA's attention over the
+    cache as its rows see it (arrays.logical): a decode step's path and the general one (tiles
+    of tokens, blocks of 128 keys across pages), with shared, out-of-order and "none" pages and
+    a kv_len bound; its derivative is XLA's. (Pages of 8 slots are gathered: test_cache.py.)"""
+    q_BTNH, k, v, mask_BTS, own = paged_case(H, dtype, T, N, P, M)
+    if kv_len is not None:
+        mask_BTS = mask_BTS & (jnp.arange(M * P) < kv_len)
+    target = "jaxkv_attend_int8" if dtype == jnp.int8 else "jaxkv_attend"
+    assert_kernel_attention_equals_xla(target, q_BTNH, k, v, mask_BTS, kv_len, own, None)
+    dq_BTNH = jax.random.normal(jax.random.key(7), q_BTNH.shape)
+
+    def tangent(f, k, v):  # forward mode: XLA's loop over kv_len's blocks has no reverse mode
+        attend = lambda q, k, v: f(q, k, v, mask_BTS, 0.3, None, kv_len, own, None)[0]  # noqa
+        return jax.jit(lambda dq, k, v: jax.jvp(lambda q: attend(q, k, v), (q_BTNH,), (dq,))[1])(
+            dq_BTNH, k, v)
+    np.testing.assert_allclose(tangent(cpu_ops.attention, k, v),
+                               tangent(xla.attention, logical(k), logical(v)), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,seen,H,paged", [
+    (jnp.float32, "gap", 20, False), (jnp.bfloat16, "gap", 20, False),
+    (jnp.float32, "own only", 20, False), (jnp.float32, "gap", 64, False),
+    (jnp.bfloat16, "own only", 64, False), (jnp.float32, "gap", 64, True),
+    (jnp.bfloat16, "gap", 20, True)])
+def test_attention_kernel_splits_a_decode_steps_keys(dtype, seen, H, paged):
     """One row, one kv head, one token (a decode step: fewer tasks than threads) over 2,000
     cached keys, 1,900 filled: the keys are split into parts whose results are merged. Keys
     300-1,700 hidden (parts that see no key), or every cached key (only the last part's own key
-    is seen). Head size 64 takes the decode path (keys across lanes), 20 the general one."""
+    is seen). Head size 64 takes the decode path (keys across lanes), 20 the general one. Paged:
+    the same keys in 125 pages of 16 slots in a shuffled pool, read through the row's table."""
     B, K, S, U = 1, 1, 2000, 1
     k = jax.random.split(jax.random.key(4), 5)
     q_BTNH = jax.random.normal(k[0], (B, 1, 3, H))
@@ -324,8 +397,14 @@ def test_attention_kernel_splits_a_decode_steps_keys(dtype, seen, H):
     s_S = jnp.arange(S)
     mask_S = ((s_S < 300) | (s_S >= 1700) if seen == "gap" else s_S < 0) & (s_S < 1900)
     own = (kv[2], kv[3], jnp.ones((B, 1, U), bool), None)
-    run = lambda f: jax.jit(lambda q: f(q, kv[0], kv[1], mask_S[None, None], 0.3, None,  # noqa
-                                        1900, own, None))(q_BTNH)
-    (out, lse), (want, want_lse) = run(cpu_ops.attention), run(xla.attention)
+    cache = kv[:2]
+    if paged:  # page table[0, m] holds slots [16 m, 16 m + 16)
+        table_BM = jnp.asarray(np.random.default_rng(0).permutation(S // 16)[None], jnp.int32)
+        pools = [jnp.zeros((K, S // 16, 16, H), dtype).at[:, table_BM[0]].set(
+            x[0].reshape(K, S // 16, 16, H)) for x in kv[:2]]
+        cache = [PagedKV(x, table_BM) for x in pools]
+    run = lambda f, k, v: jax.jit(lambda q: f(q, k, v, mask_S[None, None], 0.3,  # noqa: E731
+                                              None, 1900, own, None))(q_BTNH)
+    (out, lse), (want, want_lse) = run(cpu_ops.attention, *cache), run(xla.attention, *kv[:2])
     np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
     np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=2e-5)

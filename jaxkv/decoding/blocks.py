@@ -22,7 +22,10 @@ class BlockPool:
 
     def __init__(self, blocks: int, size: int, prefix_cache: bool):
         self.blocks, self.size, self.prefix_cache = blocks, size, prefix_cache
-        self.free = list(range(blocks))
+        # Taken from the end, so a row's fresh blocks ascend: the CPU's attention kernel reads
+        # pages in ascending order at the contiguous cache's speed, in descending order slower
+        # (docs/performance-log.md, 2026-11-28).
+        self.free = list(range(blocks - 1, -1, -1))
         self.refs = [0] * blocks
         self.by_key: dict[bytes, int] = {}  # a prompt's text up to a block's end -> that block
         self.key_of: dict[int, bytes] = {}
@@ -57,7 +60,7 @@ class BlockPool:
 
     def give(self, blocks) -> None:
         """A row ended: its blocks go back (remembered ones stay readable until evicted)."""
-        for b in blocks:
+        for b in reversed(blocks):  # a later row takes them in the order this one had them
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 if b in self.key_of:
@@ -66,7 +69,7 @@ class BlockPool:
                     self.free.append(b)
 
     def grow(self, blocks: int) -> None:
-        self.free += range(self.blocks, blocks)
+        self.free[:0] = range(blocks - 1, self.blocks - 1, -1)
         self.refs += [0] * (blocks - self.blocks)
         self.blocks = blocks
 

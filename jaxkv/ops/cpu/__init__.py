@@ -7,13 +7,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.ops import xla
-from jaxkv.ops.arrays import Int8, dequantize_rows
+from jaxkv.ops.arrays import Int8, PagedKV, dequantize_rows, logical
 from jaxkv.ops.cpu import kernels, pages
 
 # XLA:CPU stores into a 16-bit float array by converting the whole layer to float32 and back;
 # a uint16 store writes only its slots, so half caches are kept as their bits (HalfKV).
 HALF_KV_BITS = True
-READS_PAGES = False  # a PagedKV cache comes as arrays.logical gives it
+READS_PAGES = True  # the attention kernel reads a PagedKV's pools through its table
 LOOP_ROWS = 16  # up to this many rows of int8 products run as one loop over w's rows each
 # One row's prefill on the CPU: passes of ROW_CHUNK tokens while the kernels take its
 # float32 or int8 products and the prompt is at most ROW_CHUNK_UP_TO tokens (less padding
@@ -82,15 +82,23 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv
               own=None, softcap=None, lengths=None):
     """jaxkv.ops.attention: queries with own keys and no bias (a decode step, a tree pass, a
     prefill chunk) over a float32, bfloat16 or Int8KV cache go to the attention kernel, the rest
-    to XLA's (which also gives the kernel's derivatives)."""
-    if own is None or bias_BNTS is not None or own[3] is not None or \
-            not kernels.attend_fits(q_BTNH, k_BKSH):
+    to XLA's (which also gives the kernel's derivatives). A PagedKV cache goes to the kernel as
+    it is where the kernel reads its pages (kernels.reads_pages), else as its rows see it
+    (arrays.logical)."""
+    takes = (own is not None and bias_BNTS is None and own[3] is None
+             and kernels.attend_fits(q_BTNH, k_BKSH))
+    paged = isinstance(k_BKSH, PagedKV)
+    if paged and not (takes and kernels.reads_pages(k_BKSH)):
+        k_BKSH, v_BKSH, paged = logical(k_BKSH), logical(v_BKSH), False
+    if not takes:
         return xla.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
                              softcap)
     S, bounded = k_BKSH.shape[2], kv_len is not None
-    own = xla.own_as_cache(k_BKSH, own)
+    own = xla.own_as_cache(k_BKSH.pool if paged else k_BKSH, own)
 
     def reference(q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH, v_BKUH, mask_BTU, kv_len):
+        if paged:
+            k_BKSH, v_BKSH = logical(k_BKSH), logical(v_BKSH)
         return xla.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, None,
                              kv_len if bounded else None, (k_BKUH, v_BKUH, mask_BTU, None),
                              softcap)

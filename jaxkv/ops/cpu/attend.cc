@@ -3,11 +3,14 @@
 // run far below the machine's speed (attention's small products per kv head, such as a tree
 // pass's [27 x 64] x [64 x 400]).
 //
-// q [B, T, N, H] float32; the cache's keys and values k, v [B, K, S, H] (float32 or bfloat16),
-// read where mask [B, T, S] allows and below kv_len (int32 scalar); the call's own keys and
-// values [B, K, U, H] where own_mask [B, T, U] allows; one softmax over both. Scores are
-// scaled by `scale`, then soft-capped (cap tanh(s / cap)) where softcap > 0. Out: the output
-// [B, T, N, H] and its log-sum-exp [B, T, N] (output 0 and -inf where a query sees no key).
+// q [B, T, N, H] float32; the cache's keys and values k, v [B, K, S, H] (float32, bfloat16 or
+// int8 with a scale per key), read where mask [B, T, S] allows and below kv_len (int32 scalar);
+// or, paged (a table [B, M] of M > 0 pages; else [B, 0]), pools [K, NB, P, H] of pages of P
+// slots (a multiple of 16), row b's key s in slot s % P of page table[b, s / P] (S = M P; see
+// KeySet). The call's own keys and values [B, K, U, H] where own_mask [B, T, U] allows; one
+// softmax over both. Scores are scaled by `scale`, then soft-capped (cap tanh(s / cap)) where
+// softcap > 0. Out: the output [B, T, N, H] and its log-sum-exp [B, T, N] (output 0 and -inf
+// where a query sees no key).
 // Each (row, kv head, tile of tokens) is a task: the tile's tokens x the G = N / K query heads
 // (at most 64 queries; see Lanes for their layout) score the keys the tile reads, in float32 as
 // XLA's path does, with a running softmax over blocks of kBlock keys, so a tile early in a
@@ -51,61 +54,93 @@ inline f32xL exp_lanes(f32xL x) {
   return tiny ? zero : p * two_n;
 }
 
-// Keys or values [B, K, S, H] of one dtype.
+// Keys or values of one dtype: a layer [B, K, S, H], or (table given) a pool of pages
+// [K, NB, P, H] that each row reads through its block table [B, M]: row b's key s is slot s % P
+// of page table[b, s / P] (S = M P). Every key is found through Key; a page holds whole blocks
+// of kLanes keys (P a multiple of 16), so a block read as one is stored as one.
 struct KeySet {
   const void* data;
   int bytes;             // per number: 4 float32, 2 bfloat16 (their bits), 1 int8
-  const float* scale;    // int8: one scale per key [B, K, S] (x ~= q * scale); else null
+  const float* scale;    // int8: one scale per stored key ([B, K, S] or [K, NB, P]); else null
   int64_t S, H;
-  // The first n keys of (row, kv head) bk as n x H float32s: in place, or converted into buf
-  // (int8 ones times their scales).
+  int64_t K = 1;         // kv heads
+  const int32_t* table = nullptr;  // paged: [B, M] (NB or more, or below 0: none); else null
+  int64_t NB = 0, P = 0, M = 0;
+  int64_t first = 0;     // this set's key 0 is the layer's key `first` (From)
+
+  // Key s's place among the stored keys (in rows of H; the scales' index too). A page of
+  // "none" reads the last page: its slots lie past what the mask and kv_len let a query see,
+  // but blocks of kLanes keys are read whole, so they must be real memory.
+  int64_t Key(int64_t bk, int64_t s) const {
+    s += first;
+    if (!table) return bk * S + s;
+    int64_t page = table[bk / K * M + s / P];
+    if (page < 0 || page >= NB) page = NB - 1;
+    return (bk % K * NB + page) * P + s % P;
+  }
+  // Keys stored one after another from key s: to the end of its page, or of the layer.
+  int64_t Run(int64_t s) const { return table ? P - (s + first) % P : S - first - s; }
+  // The first n keys of (row, kv head) bk as n x H float32s: in place (float32 stored as one),
+  // or converted into buf (int8 ones times their scales).
   const float* Rows(int64_t bk, int64_t n, std::vector<float>& buf) const {
-    int64_t at = bk * S * H;
-    if (bytes == 4) return static_cast<const float*>(data) + at;
+    if (bytes == 4 && Run(0) >= n) return static_cast<const float*>(data) + Key(bk, 0) * H;
     buf.resize(n * H);
-    if (bytes == 2) {
-      const uint16_t* src = static_cast<const uint16_t*>(data) + at;
-      for (int64_t i = 0; i < n * H; ++i) buf[i] = bf16_to_f32(src[i]);
-    } else {
-      const int8_t* src = static_cast<const int8_t*>(data) + at;
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t h = 0; h < H; ++h) buf[j * H + h] = src[j * H + h] * scale[bk * S + j];
+    for (int64_t j = 0, run; j < n; j += run) {
+      run = std::min(n - j, Run(j));
+      Convert(Key(bk, j), run, buf.data() + j * H);
     }
     return buf.data();
+  }
+  // n stored keys from index at (rows of H) as float32s into out.
+  void Convert(int64_t at, int64_t n, float* out) const {
+    if (bytes == 4) {
+      std::memcpy(out, static_cast<const float*>(data) + at * H, n * H * sizeof(float));
+    } else if (bytes == 2) {
+      const uint16_t* src = static_cast<const uint16_t*>(data) + at * H;
+      for (int64_t i = 0; i < n * H; ++i) out[i] = bf16_to_f32(src[i]);
+    } else {
+      const int8_t* src = static_cast<const int8_t*>(data) + at * H;
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t h = 0; h < H; ++h) out[j * H + h] = src[j * H + h] * scale[at + j];
+    }
   }
   // The same keys from key s0 on.
   KeySet From(int64_t s0) const {
     KeySet rest = *this;
-    rest.data = static_cast<const char*>(data) + s0 * H * bytes;
-    if (scale) rest.scale = scale + s0;
+    rest.first += s0;
     return rest;
   }
-  // kLanes keys from key s of (row, kv head) bk, of which the first m = min(kLanes, n - s) are
-  // real, as float32 [kLanes, H] (H a multiple of kLanes; int8 ones unscaled): in place when
-  // float32 and whole, else converted or copied into buf, the rows past m zero.
+  // kLanes keys from key s of (row, kv head) bk (s a multiple of kLanes), of which the first
+  // m = min(kLanes, n - s) are real, as float32 [kLanes, H] (H a multiple of kLanes; int8 ones
+  // unscaled): in place when float32 and whole, else converted or copied into buf, the rows
+  // past m zero.
   const float* Block(int64_t bk, int64_t s, int64_t n, float* buf) const;
   // f(those keys): a whole block of bfloat16 or int8 keys read in place (bfloat16 as their
   // bits); else Block's.
   template <typename F>
   void With(int64_t bk, int64_t s, int64_t n, float* buf, const F& f) const {
-    int64_t at = (bk * S + s) * H;
     if (n - s < kLanes || bytes == 4) f(Block(bk, s, n, buf));
-    else if (bytes == 2) f(static_cast<const uint16_t*>(data) + at);
-    else f(static_cast<const int8_t*>(data) + at);
+    else if (bytes == 2) f(static_cast<const uint16_t*>(data) + Key(bk, s) * H);
+    else f(static_cast<const int8_t*>(data) + Key(bk, s) * H);
   }
-  // The scales of kLanes keys from key s of bk, 0 past key n (int8 keys only).
+  // The scales of kLanes keys from key s of bk (s a multiple of kLanes), 0 past key n (int8
+  // keys only).
   f32xL Scales(int64_t bk, int64_t s, int64_t n) const {
-    if (n - s >= kLanes) return load_f32(scale + bk * S + s);
+    const float* at = scale + Key(bk, s);
+    if (n - s >= kLanes) return load_f32(at);
     f32xL out{};
-    for (int64_t j = 0; j < n - s; ++j) out[j] = scale[bk * S + s + j];
+    for (int64_t j = 0; j < n - s; ++j) out[j] = at[j];
     return out;
   }
-  // Starts fetching keys [s, e) of (row, kv head) bk (their rows contiguous): into every
-  // cache level (kLevel 3) or L2 (2).
+  // Starts fetching keys [s, e) of (row, kv head) bk: into every cache level (kLevel 3) or L2
+  // (2).
   template <int kLevel>
   void Fetch(int64_t bk, int64_t s, int64_t e) const {
-    const char* at = static_cast<const char*>(data) + (bk * S + s) * H * bytes;
-    for (int64_t b = 0; b < (e - s) * H * bytes; b += 64) __builtin_prefetch(at + b, 0, kLevel);
+    for (int64_t run; s < e; s += run) {
+      run = std::min(e - s, Run(s));
+      const char* at = static_cast<const char*>(data) + Key(bk, s) * H * bytes;
+      for (int64_t b = 0; b < run * H * bytes; b += 64) __builtin_prefetch(at + b, 0, kLevel);
+    }
   }
 };
 
@@ -352,7 +387,7 @@ inline f32xL load_lanes(const uint16_t* p) { return load_bf16(p); }
 inline f32xL load_lanes(const int8_t* p) { return int8_lanes(p); }
 
 const float* KeySet::Block(int64_t bk, int64_t s, int64_t n, float* buf) const {
-  int64_t m = std::min(kLanes, n - s), at = (bk * S + s) * H;
+  int64_t m = std::min(kLanes, n - s), at = Key(bk, s) * H;
   if (bytes == 4 && m == kLanes) return static_cast<const float*>(data) + at;
   for (int64_t i = 0; i < m * H; i += kLanes) {
     f32xL v = bytes == 4 ? load_f32(static_cast<const float*>(data) + at + i)
@@ -582,15 +617,22 @@ void Merge(int64_t parts, int64_t n, int64_t H, const float* part_out, const flo
   }
 }
 
-// Keys or values [B, K, S, H]: float32, bfloat16 (or uint16: a bfloat16 cache's bits, HalfKV)
-// or int8 (with `scale`, Int8KV's); 0 bytes a number for anything else.
-KeySet Keys(const ffi::AnyBuffer& x, const float* scale = nullptr) {
+// Keys or values [B, K, S, H], or given a table [B, M] of M > 0 pages a pool [K, NB, P, H] read
+// through it (a PagedKV's): float32, bfloat16 (or uint16: a bfloat16 cache's bits, HalfKV) or
+// int8 (with `scale`, Int8KV's); 0 bytes a number for anything else.
+KeySet Keys(const ffi::AnyBuffer& x, const float* scale = nullptr,
+            const ffi::Buffer<ffi::S32>* table = nullptr) {
   auto dims = x.dimensions();
   auto type = x.element_type();
   int bytes = type == ffi::F32 ? 4 : type == ffi::BF16 || type == ffi::U16 ? 2
               : type == ffi::S8 ? 1 : 0;
   if (dims.size() != 4) return KeySet{nullptr, 0, nullptr, 0, 0};
-  return KeySet{x.untyped_data(), bytes, scale, dims[2], dims[3]};
+  KeySet keys{x.untyped_data(), bytes, scale, dims[2], dims[3], dims[1]};
+  if (table && table->dimensions().size() == 2 && table->dimensions()[1] > 0) {
+    keys.K = dims[0], keys.NB = dims[1], keys.P = dims[2], keys.M = table->dimensions()[1];
+    keys.S = keys.M * keys.P, keys.table = table->typed_data();
+  }
+  return keys;
 }
 
 // Whether the queries' shapes take DecodeTask: at most kFew per kv head, whole vectors of H.
@@ -598,18 +640,23 @@ bool DecodeShapes(const Shapes& d) { return d.G * d.T <= kFew && d.H % kLanes ==
 
 ffi::Error Attend(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const KeySet& ks,
                   const KeySet& vs, const ffi::Buffer<ffi::PRED>& mask, const KeySet& ko,
-                  const KeySet& vo, const ffi::Buffer<ffi::PRED>& own_mask, int64_t K,
-                  int64_t kv_len, float scale, float softcap, float* out, float* lse) {
+                  const KeySet& vo, const ffi::Buffer<ffi::PRED>& own_mask,
+                  const ffi::Buffer<ffi::S32>& table, int64_t kv_len, float scale, float softcap, float* out, float* lse) {
   auto qd = q.dimensions();
   if (qd.size() != 4)
     return ffi::Error::InvalidArgument("jaxkv attend: q must be [B, T, N, H]");
   Shapes d;
   d.B = qd[0], d.T = qd[1], d.N = qd[2], d.H = qd[3];
-  d.K = K, d.S = ks.S, d.U = ko.S;
+  d.K = ks.K, d.S = ks.S, d.U = ko.S;
   if (d.K < 1 || d.N % d.K || ks.H != d.H || vs.H != d.H || ko.H != d.H || vo.H != d.H ||
-      vs.S != d.S || vo.S != d.U || mask.dimensions()[2] != d.S ||
+      vs.S != d.S || vs.K != d.K || vo.S != d.U || mask.dimensions()[2] != d.S ||
       own_mask.dimensions()[2] != d.U)
     return ffi::Error::InvalidArgument("jaxkv attend: shapes do not agree");
+  if (table.dimensions().size() != 2 || (ks.table && table.dimensions()[0] != d.B) ||
+      (ks.table && (ks.NB < 1 || ks.P % 16 || vs.P != ks.P || vs.NB != ks.NB)))
+    return ffi::Error::InvalidArgument(
+        "jaxkv attend: a paged cache needs a table [B, M] and pools [K, NB, P, H] of pages of "
+        "a multiple of 16 slots");
   d.G = d.N / d.K;
   if (d.G > 4 * kLanes)
     return ffi::Error::InvalidArgument("jaxkv attend: at most 64 query heads per kv head");
@@ -680,39 +727,43 @@ ffi::Error Attend(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const Ke
 ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::Buffer<ffi::PRED> mask, ffi::AnyBuffer k_own,
                       ffi::AnyBuffer v_own, ffi::Buffer<ffi::PRED> own_mask,
-                      ffi::Buffer<ffi::S32> kv_len, float scale, float softcap,
-                      ffi::Result<ffi::Buffer<ffi::F32>> out,
+                      ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> table, float scale,
+                      float softcap, ffi::Result<ffi::Buffer<ffi::F32>> out,
                       ffi::Result<ffi::Buffer<ffi::F32>> lse) {
-  KeySet ks = Keys(k), vs = Keys(v), ko = Keys(k_own), vo = Keys(v_own);
+  KeySet ks = Keys(k, nullptr, &table), vs = Keys(v, nullptr, &table);
+  KeySet ko = Keys(k_own), vo = Keys(v_own);
   for (const KeySet* x : {&ks, &vs, &ko, &vo})
     if (x->bytes < 2)
       return ffi::Error::InvalidArgument(
-          "jaxkv attend: keys and values must be float32 or bfloat16 [B, K, S, H]");
-  return Attend(pool, q, ks, vs, mask, ko, vo, own_mask, k.dimensions()[1],
-                kv_len.typed_data()[0], scale, softcap, out->typed_data(), lse->typed_data());
+          "jaxkv attend: keys and values must be float32 or bfloat16 [B, K, S, H] (or pools)");
+  return Attend(pool, q, ks, vs, mask, ko, vo, own_mask, table, kv_len.typed_data()[0], scale,
+                softcap, out->typed_data(), lse->typed_data());
 }
 
 // The same with int8 keys and values (Int8KV: int8 [B, K, S, H] and a float32 scale per key
-// [B, K, S]).
+// [B, K, S]; paged, a pool [K, NB, P, H] and its scales [K, NB, P]).
 ffi::Error AttendInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                           ffi::Buffer<ffi::F32> k_scale, ffi::AnyBuffer v,
                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::PRED> mask,
                           ffi::AnyBuffer k_own, ffi::Buffer<ffi::F32> k_own_scale,
                           ffi::AnyBuffer v_own, ffi::Buffer<ffi::F32> v_own_scale,
                           ffi::Buffer<ffi::PRED> own_mask, ffi::Buffer<ffi::S32> kv_len,
-                          float scale, float softcap, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                          ffi::Buffer<ffi::S32> table, float scale, float softcap,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out,
                           ffi::Result<ffi::Buffer<ffi::F32>> lse) {
-  KeySet ks = Keys(k, k_scale.typed_data()), vs = Keys(v, v_scale.typed_data());
+  KeySet ks = Keys(k, k_scale.typed_data(), &table), vs = Keys(v, v_scale.typed_data(), &table);
   KeySet ko = Keys(k_own, k_own_scale.typed_data()), vo = Keys(v_own, v_own_scale.typed_data());
   const ffi::Buffer<ffi::F32>* scales[] = {&k_scale, &v_scale, &k_own_scale, &v_own_scale};
+  const ffi::AnyBuffer* numbers[] = {&k, &v, &k_own, &v_own};
   const KeySet* sets[] = {&ks, &vs, &ko, &vo};
-  int64_t BK = k.dimensions().size() == 4 ? k.dimensions()[0] * k.dimensions()[1] : 0;
-  for (int i = 0; i < 4; ++i)
-    if (sets[i]->bytes != 1 || int64_t(scales[i]->element_count()) != BK * sets[i]->S)
+  for (int i = 0; i < 4; ++i)  // a scale per stored key
+    if (sets[i]->bytes != 1 || int64_t(scales[i]->element_count()) * sets[i]->H !=
+                                   int64_t(numbers[i]->element_count()))
       return ffi::Error::InvalidArgument(
-          "jaxkv attend_int8: keys and values must be int8 [B, K, S, H] with scales [B, K, S]");
-  return Attend(pool, q, ks, vs, mask, ko, vo, own_mask, k.dimensions()[1],
-                kv_len.typed_data()[0], scale, softcap, out->typed_data(), lse->typed_data());
+          "jaxkv attend_int8: keys and values must be int8 [B, K, S, H] with scales [B, K, S] "
+          "(or pools [K, NB, P, H] with scales [K, NB, P])");
+  return Attend(pool, q, ks, vs, mask, ko, vo, own_mask, table, kv_len.typed_data()[0], scale,
+                softcap, out->typed_data(), lse->typed_data());
 }
 
 }  // namespace
@@ -727,6 +778,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvAttend, AttendImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
@@ -747,6 +799,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvAttendInt8, AttendInt8Impl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")

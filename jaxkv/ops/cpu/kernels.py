@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.ops.arrays import HalfKV, Int8KV, dequantize_rows
+from jaxkv.ops.arrays import HalfKV, Int8KV, PagedKV, dequantize_rows
 
 # Up to this many rows of x go to the product kernels, by weight format (dense.cc's kMaxRowsT
 # is float32's); more rows (a prefill) go to XLA's GEMM.
@@ -37,6 +37,9 @@ OUTER_ROWS = 16
 # number of tokens: it takes a call's queries in tiles of at most this many (a tile's tokens x
 # the query heads sharing a kv head).
 ATTEND_ROWS = 64
+# A paged cache goes to the attention kernel as its pools and table when a page holds whole
+# blocks of the keys attend.cc reads at once (a vector's lanes: 4, 8 or 16 by instruction set).
+PAGE_SLOTS = 16
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("dense.cc", "attend.cc"))
 HEADER = Path(__file__).with_name("common.h")
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-w")
@@ -192,10 +195,17 @@ def _product_int8_jvp(primals, tangents):  # int8 weights are constants: only x 
 
 def attend_fits(q_BTNH, k_BKSH) -> bool:
     """Whether attend takes these queries and cache keys (float32, bfloat16 as an array or
-    HalfKV, or Int8KV): any number of tokens, at most ATTEND_ROWS query heads per kv head."""
+    HalfKV, or Int8KV; or a PagedKV of one, see reads_pages): any number of tokens, at most
+    ATTEND_ROWS query heads per kv head."""
     G = q_BTNH.shape[2] // k_BKSH.shape[1]
     return (getattr(k_BKSH, "dtype", None) in (jnp.float32, jnp.bfloat16, jnp.int8)
             and G <= ATTEND_ROWS and enabled())
+
+
+def reads_pages(k: PagedKV) -> bool:
+    """Whether attend reads this paged cache through its table: pages of a multiple of
+    PAGE_SLOTS slots."""
+    return k.pool.shape[2] % PAGE_SLOTS == 0
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
@@ -203,20 +213,24 @@ def attend(xla, scale: float, softcap, q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH,
            mask_BTU, kv_len):
     """Softmax attention of q over the cache's keys (those below kv_len that mask_BTS allows) and
     the call's own keys (mask_BTU) together: (output [B, T, N, H], log-sum-exp [B, T, N]), both
-    float32. Int8KV keys and values (cache and own alike): their int8 numbers and scales. The
-    kernel on the CPU; xla(q, k, v, mask, k_own, v_own, own_mask, kv_len), the same attention in
-    XLA, on other platforms and for derivatives."""
+    float32. Int8KV keys and values (cache and own alike): their int8 numbers and scales. A
+    PagedKV cache (k and v share its table; see reads_pages): its pools, read through the table.
+    The kernel on the CPU; xla(q, k, v, mask, k_own, v_own, own_mask, kv_len), the same
+    attention in XLA, on other platforms and for derivatives."""
     def kernel(q_BTNH, *rest):
         B, T, N, H = q_BTNH.shape
         result = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),
                   jax.ShapeDtypeStruct((B, T, N), jnp.float32))
         *keys, kv_len = rest
+        table_BM = jnp.zeros((B, 0), jnp.int32)  # no pages: the cache is [B, K, S, H]
+        if isinstance(keys[0], PagedKV):
+            table_BM, keys[:2] = keys[0].table, [x.pool for x in keys[:2]]
         int8 = isinstance(keys[0], Int8KV)
         keys = [x.bits if isinstance(x, HalfKV) else x for x in keys]  # bfloat16's bits as they are
         return jax.ffi.ffi_call("jaxkv_attend_int8" if int8 else "jaxkv_attend", result,
                                 vmap_method="sequential")(
             q_BTNH.astype(jnp.float32), *jax.tree.leaves(keys), jnp.asarray(kv_len, jnp.int32),
-            scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
+            table_BM, scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
     return jax.lax.platform_dependent(q_BTNH, k_BKSH, v_BKSH, mask_BTS, k_BKUH, v_BKUH, mask_BTU,
                                       kv_len, cpu=kernel, default=xla)
 
