@@ -103,25 +103,28 @@ def test_lookup_rounds_choose_no_pass_in_a_conditional(llama, B=1):
 
 
 def test_sampled_equals_generate_with_the_same_key(llama, draft_model):
+    """(The budget, shapes and draft settings of the greedy tests: sampling values are traced,
+    so their compiled programs serve.)"""
     prompts = ragged_prompts(2)
     options = dict(temperature=0.8, top_k=40, top_p=0.95, key=jax.random.key(11))
-    want, _ = jaxkv.generate(llama, prompts, 20, **options)
-    for draft in ("lookup", draft_model):
-        tokens, _, _ = jaxkv.speculative_generate(llama, prompts, 20, draft=draft, **options)
+    want, _ = jaxkv.generate(llama, prompts, 24, **options)
+    for draft, kw in (("lookup", {}), (draft_model, dict(n_draft=3, n_branches=2))):
+        tokens, _, _ = jaxkv.speculative_generate(llama, prompts, 24, draft=draft, **options,
+                                                  **kw)
         np.testing.assert_array_equal(tokens, want)
 
 
 def test_eos_ends_each_row_as_generate_does(llama):
     prompts = ragged_prompts(3)
-    free, _ = jaxkv.generate(llama, prompts, 20)
+    free, _ = jaxkv.generate(llama, prompts, 24)
     eos = [int(free[0, 6]), int(free[2, 11])]  # tokens each row draws on its way
-    want, want_len = jaxkv.generate(llama, prompts, 20, eos_id=eos)
-    tokens, lengths, _ = jaxkv.speculative_generate(llama, prompts, 20, eos_id=eos)
+    want, want_len = jaxkv.generate(llama, prompts, 24, eos_id=eos)
+    tokens, lengths, _ = jaxkv.speculative_generate(llama, prompts, 24, eos_id=eos)
     np.testing.assert_array_equal(lengths, want_len)
     np.testing.assert_array_equal(tokens, want)
     # Row 0 ends first (7 tokens), row 2 next (12): rows 1 and 2 go on in a batch of 2, row 1
     # then alone; the answers come back in the caller's order.
-    np.testing.assert_array_equal(lengths, [7, 20, 12])
+    np.testing.assert_array_equal(lengths, [7, 24, 12])
 
 
 def test_the_batch_halves_at_most_twice():
