@@ -635,13 +635,18 @@ KeySet Keys(const ffi::AnyBuffer& x, const float* scale = nullptr,
   return keys;
 }
 
+// A page's slots are a multiple of this many (kernels.py's PAGE_SLOTS): whole blocks of kLanes
+// keys at any instruction set.
+constexpr int64_t kPageSlots = 16;
+
 // Whether the queries' shapes take DecodeTask: at most kFew per kv head, whole vectors of H.
 bool DecodeShapes(const Shapes& d) { return d.G * d.T <= kFew && d.H % kLanes == 0; }
 
 ffi::Error Attend(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const KeySet& ks,
                   const KeySet& vs, const ffi::Buffer<ffi::PRED>& mask, const KeySet& ko,
                   const KeySet& vo, const ffi::Buffer<ffi::PRED>& own_mask,
-                  const ffi::Buffer<ffi::S32>& table, int64_t kv_len, float scale, float softcap, float* out, float* lse) {
+                  const ffi::Buffer<ffi::S32>& table, int64_t kv_len, float scale, float softcap,
+                  float* out, float* lse) {
   auto qd = q.dimensions();
   if (qd.size() != 4)
     return ffi::Error::InvalidArgument("jaxkv attend: q must be [B, T, N, H]");
@@ -653,7 +658,7 @@ ffi::Error Attend(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const Ke
       own_mask.dimensions()[2] != d.U)
     return ffi::Error::InvalidArgument("jaxkv attend: shapes do not agree");
   if (table.dimensions().size() != 2 || (ks.table && table.dimensions()[0] != d.B) ||
-      (ks.table && (ks.NB < 1 || ks.P % 16 || vs.P != ks.P || vs.NB != ks.NB)))
+      (ks.table && (ks.NB < 1 || ks.P % kPageSlots || vs.P != ks.P || vs.NB != ks.NB)))
     return ffi::Error::InvalidArgument(
         "jaxkv attend: a paged cache needs a table [B, M] and pools [K, NB, P, H] of pages of "
         "a multiple of 16 slots");

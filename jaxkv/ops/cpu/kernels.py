@@ -39,7 +39,7 @@ OUTER_ROWS = 16
 ATTEND_ROWS = 64
 # A paged cache goes to the attention kernel as its pools and table when a page holds whole
 # blocks of the keys attend.cc reads at once (a vector's lanes: 4, 8 or 16 by instruction set).
-PAGE_SLOTS = 16
+PAGE_SLOTS = 16  # attend.cc checks the same (kPageSlots)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("dense.cc", "attend.cc"))
 HEADER = Path(__file__).with_name("common.h")
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-w")
