@@ -22,9 +22,31 @@ def test_the_platform_chooses_and_jaxkv_ops_forces(monkeypatch):
     assert ops.backend_name() == "cpu" and ops.backend() is cpu_ops
     monkeypatch.setenv("JAXKV_OPS", "xla")
     assert ops.backend_name() == "xla" and ops.backend() is xla
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     monkeypatch.delenv("JAXKV_OPS")
-    assert ops.backend_name() == "xla"  # no backend of its own yet: the reference
+    for platform in ("gpu", "tpu"):  # Pallas's kernels for decode steps, XLA's for the rest
+        monkeypatch.setattr(jax, "default_backend", lambda: platform)
+        assert ops.platform() == platform and ops.backend_name() == "pallas"
+
+
+def test_the_backend_follows_the_target_not_the_host():
+    """ops.on: a platform name, a device, a mesh or placed arrays choose the platform; inside it
+    programs trace anew for it (jax.default_device is in JAX's trace keys), and a CPU-placed
+    tree on a CPU host changes nothing."""
+    cpu = jax.devices("cpu")[0]
+    host = ops.platform()
+    traced = []
+    f = jax.jit(lambda x: traced.append(ops.backend_name()) or x + 1)
+    sds = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(cpu))
+    for where, platform in (("tpu", "tpu"), ("cuda", "gpu"), (cpu, "cpu"),
+                            (jax.make_mesh((1,), ("x",)), host), ({"w": jnp.ones(2)}, host)):
+        with ops.on(where):
+            assert ops.platform() == platform
+            f.lower(sds)
+    with ops.on(np.ones(2)):  # not placed: nothing changes
+        assert ops.platform() == host
+    assert traced == ["pallas", "pallas", "cpu"]  # the mesh and arrays reused the CPU trace
+    with pytest.raises(ValueError, match="platform must be one of cpu, gpu, tpu"):
+        ops.platform_of("metal")
 
 
 def test_an_unknown_backend_is_named(monkeypatch):

@@ -2,12 +2,19 @@
 came.
 
 Shapes, dtypes and the cache's layout are checked when a function is traced (they are static).
-Values (token ids, positions, lengths) are checked at once when they are concrete, and inside
-jit / lax.scan / vmap by a check compiled into the program: a lax.cond that, only when a value
-is out of range, calls back to the host to raise a ValueError naming the entry, which reaches
-the caller (as a jax.errors.JaxRuntimeError carrying that message) when the result is read.
-`set_value_checks(False)` (or JAXKV_VALUE_CHECKS=0 in the environment) leaves the compiled
-checks out.
+Values (token ids, positions, lengths) are checked at once when they are concrete, which is
+how every entry point that takes them from the caller (generate, generate_many, prefill and
+decode_step called with arrays, the command line) checks them where they come in; the loops
+those entry points compile make their own positions and are traced `trusted()`.
+
+Inside a caller's own jit / lax.scan / vmap, values are traced. On a CPU (by default) a check
+is compiled into the program there: a lax.cond that, only when a value is out of range, calls
+back to the host to raise a ValueError naming the entry, which reaches the caller (as a
+jax.errors.JaxRuntimeError carrying that message) when the result is read. On a GPU or TPU that
+cond would cost a host round trip per check and step (a GPU waits for the predicate), so there
+the compiled checks are off by default: values are checked where they come in. JAXKV_VALUE_CHECKS
+=1 or 0 in the environment, or set_value_checks(True / False), turns them on or off everywhere
+(None: by platform again).
 """
 
 import contextlib
@@ -19,24 +26,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import ops
 from jaxkv.core import cache as cache_lib
 from jaxkv.core.cache import KVCache, ring_size, slots
 from jaxkv.ops.arrays import HALF_DTYPES, HalfKV, Int8KV, PagedKV
 
 MIN_BUCKET = 16
 INT32_MAX = 2**31 - 1
-_VALUE_CHECKS = {"on": os.environ.get("JAXKV_VALUE_CHECKS", "1") != "0"}
+_ENV = os.environ.get("JAXKV_VALUE_CHECKS", "")
+_VALUE_CHECKS = {"on": None if _ENV == "" else _ENV != "0"}  # None: by platform
 
 
 class OutOfRange(ValueError):
     """A token id, position or length outside what the model or cache can take."""
 
 
-def set_value_checks(enabled: bool) -> None:
-    """Turns the compiled value checks on (the default) or off. They are part of the traced
-    program, so JAX's caches are cleared: every function traces again with the new setting."""
-    _VALUE_CHECKS["on"] = bool(enabled)
+def set_value_checks(enabled: bool | None) -> None:
+    """Turns the compiled value checks on or off on every platform (None: on where programs are
+    built for a CPU, off on a GPU or TPU, the default). They are part of the traced program, so
+    JAX's caches are cleared: every function traces again with the new setting."""
+    _VALUE_CHECKS["on"] = None if enabled is None else bool(enabled)
     jax.clear_caches()
+
+
+def compiled_checks() -> bool:
+    """Whether a traced value is checked inside the program being traced (see the module's
+    docstring)."""
+    on = _VALUE_CHECKS["on"]
+    return ops.platform() == "cpu" if on is None else on
 
 
 @contextlib.contextmanager
@@ -94,7 +111,7 @@ def in_range(x, name: str, low: int, high: int, what: str):
     values = concrete(x)
     if values is not None:
         _raise(describe, values)
-    elif _VALUE_CHECKS["on"]:
+    elif compiled_checks():
         bad = jnp.any((x < low) | (x >= high))
         jax.lax.cond(bad, lambda: jax.debug.callback(_raise, describe, x), lambda: None)
 

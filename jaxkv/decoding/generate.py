@@ -34,6 +34,7 @@ class _Decoding:
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token", "mesh",
                                              "kv_dtype"))
+@checks.trusted()  # generate_args checked the prompts; the loop makes its own positions
 def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id,
                   suppress_V, begin_suppress_V, stop: StopStrings, encoder_inputs=None,
                   encoder_lengths=None, *,

@@ -1,30 +1,32 @@
 """The one door between the model and a backend.
 
-The model calls these functions only; the backend behind them is chosen by the platform JAX
-computes on (cpu: jaxkv.ops.cpu; anything else: jaxkv.ops.xla, the portable reference), or
-forced with JAXKV_OPS=xla|cpu|pallas (jaxkv.ops.pallas: JAX's Pallas kernels where one fits,
-not yet the default on GPUs: no GPU has timed it). The choice is made when a function is
-traced, so a process that changes JAXKV_OPS calls jax.clear_caches() after. Every backend keeps
-the contracts below and is tested against jaxkv.ops.xla.
+The model calls these functions only; the backend behind them follows the platform the program
+is built for (jaxkv.ops.target: the device or mesh it runs on, or an explicit `on(...)`; not
+the host's default): on a CPU jaxkv.ops.cpu, on a GPU or TPU jaxkv.ops.pallas (its kernels for
+decode steps, JAX's XLA for the rest), anything else jaxkv.ops.xla, the portable reference.
+JAXKV_OPS=xla|cpu|pallas forces one. The choice is made when a function is traced, so a process
+that changes JAXKV_OPS calls jax.clear_caches() after. Every backend keeps the contracts below
+and is tested against jaxkv.ops.xla.
 """
 
 import importlib
 import os
 
-import jax
 import jax.numpy as jnp
 
 from jaxkv.ops.arrays import (HALF_DTYPES, HalfKV, Int8, Int8KV, PagedKV, half_kv, logical,
                                quantize_kv)
+from jaxkv.ops.target import on, platform, platform_of
 from jaxkv.ops.xla import merge_parts
 
 BACKENDS = {"xla": "jaxkv.ops.xla", "cpu": "jaxkv.ops.cpu", "pallas": "jaxkv.ops.pallas"}
-BY_PLATFORM = {"cpu": "cpu"}  # platforms with a backend of their own; others run xla
+BY_PLATFORM = {"cpu": "cpu", "gpu": "pallas", "tpu": "pallas"}  # by default, on each platform
 
 
 def backend_name() -> str:
-    """The backend in use: $JAXKV_OPS, else the one for the platform JAX computes on."""
-    name = os.environ.get("JAXKV_OPS") or BY_PLATFORM.get(jax.default_backend(), "xla")
+    """The backend in use: $JAXKV_OPS, else the one for the platform of the programs traced
+    now (jaxkv.ops.target.platform)."""
+    name = os.environ.get("JAXKV_OPS") or BY_PLATFORM.get(platform(), "xla")
     if name not in BACKENDS:
         raise ValueError(f"JAXKV_OPS must be one of {', '.join(BACKENDS)} (or unset), got "
                          f"{name!r}")
@@ -108,4 +110,4 @@ def prefill_chunk(w_qkv, rows: int, tokens: int) -> int:
 
 __all__ = ["HALF_DTYPES", "HalfKV", "Int8", "Int8KV", "PagedKV", "attention", "backend",
            "backend_name", "empty_kv_layer", "kv_layer", "matmul", "materialized", "merge_parts",
-           "placed", "prefill_chunk"]
+           "on", "placed", "platform", "platform_of", "prefill_chunk"]

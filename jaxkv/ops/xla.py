@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.ops.arrays import Int8, Int8KV, dequantize_rows, quantize_kv
+from jaxkv.ops.target import platform
 
 BLOCK = 256  # key slots per block when attention is bounded by the filled length
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass
@@ -73,15 +74,18 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv
 
     With kv_len (traced), only the first ceil(kv_len / BLOCK) blocks of cache slots are visited
     in an online softmax; a few queries (T * S <= BLOCK^2) read every slot in one pass once
-    kv_len passes a third of the slots, where that is cheaper than slicing out blocks."""
+    kv_len passes a third of the slots, where that is cheaper than slicing out blocks. On a GPU,
+    which waits on the host for a cond's predicate and a loop's trip count, neither is traced:
+    a few queries read every slot, many visit every block (those past kv_len masked)."""
     own = own_as_cache(k_BKSH, own)
     keys = [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS)] + ([] if own is None else [own])
     S = k_BKSH.shape[2]
-    if kv_len is None or bias_BNTS is not None or S <= BLOCK:
+    few = q_BTNH.shape[1] * S <= BLOCK * BLOCK
+    if kv_len is None or bias_BNTS is not None or S <= BLOCK or (few and platform() == "gpu"):
         return _attend_dense(q_BTNH, keys, scale, softcap)
     blocks = functools.partial(_attend_blocks, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len,
-                               own, softcap)
-    if q_BTNH.shape[1] * S > BLOCK * BLOCK:  # many queries (a prefill chunk): scores [T, BLOCK]
+                               own, softcap, every=platform() == "gpu")
+    if not few:  # many queries (a prefill chunk): scores [T, BLOCK]
         return blocks()
     dense = functools.partial(_attend_dense, q_BTNH, keys, scale, softcap)
     return jax.lax.cond(3 * kv_len > S, dense, blocks)
@@ -165,10 +169,12 @@ def _weighted(w_BKGTS, v_BKSH):
     return jnp.moveaxis(jnp.einsum("BKGTS,BKSH->BKGTH", w_BKGTS, v_BKSH), 3, 1)
 
 
-def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own=None, softcap=None):
+def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own=None, softcap=None,
+                   every=False):
     """Online softmax over BLOCK-slot blocks [0, ceil(kv_len / BLOCK)) (and the own keys, as
     the starting state): shapes stay static, work follows the filled length, not the capacity,
-    and no score tensor is wider than [T, max(BLOCK, own keys)]."""
+    and no score tensor is wider than [T, max(BLOCK, own keys)]. every: all blocks, a loop of
+    static length, the slots from kv_len on masked."""
     B, T, N, H = q_BTNH.shape
     K, S = k_BKSH.shape[1:3]
     # Heads before positions: each block is one batched product per kv head with G * T rows.
@@ -186,10 +192,11 @@ def _attend_blocks(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, own=None, so
         k_blk, v_blk = jax.tree.map(
             lambda x: jax.lax.dynamic_slice_in_dim(x, start, BLOCK, axis=2), (k_BKSH, v_BKSH))
         mask_blk = jax.lax.dynamic_slice_in_dim(mask_BTS, start, BLOCK, axis=2)
-        mask_blk = mask_blk & (start + jnp.arange(BLOCK) >= i * BLOCK)
+        slot = start + jnp.arange(BLOCK)
+        mask_blk = mask_blk & (slot >= i * BLOCK) & ((slot < kv_len) if every else True)
         return _online_softmax(q_BKGTH, k_blk, v_blk, mask_blk, softcap, state)
 
-    n_blocks = (jnp.minimum(kv_len, S) + BLOCK - 1) // BLOCK
+    n_blocks = -(-S // BLOCK) if every else (jnp.minimum(kv_len, S) + BLOCK - 1) // BLOCK
     max_BKGT, total_BKGT, acc_BKGTH = jax.lax.fori_loop(0, n_blocks, block, state)
     out_BKGTH = acc_BKGTH / jnp.maximum(total_BKGT, jnp.finfo(jnp.float32).tiny)[..., None]
     lse_BKGT = max_BKGT + jnp.log(total_BKGT)

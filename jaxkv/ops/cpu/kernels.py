@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.ops import target
 from jaxkv.ops.arrays import HalfKV, Int8KV, PagedKV, dequantize_rows
 
 # Up to this many rows of x go to the product kernels, by weight format (dense.cc's kMaxRowsT
@@ -53,9 +54,9 @@ def _march() -> str:
 
 
 def enabled() -> bool:
-    """Whether products may use the kernels: JAX computes on the CPU (a GPU or TPU process
-    neither builds them nor traces their branch) and JAXKV_CPU_KERNELS is not 0."""
-    return (jax.default_backend() == "cpu" and os.environ.get("JAXKV_CPU_KERNELS", "1") != "0"
+    """Whether products may use the kernels: the program is built for a CPU (one for a GPU or
+    TPU neither builds them nor traces their branch) and JAXKV_CPU_KERNELS is not 0."""
+    return (target.platform() == "cpu" and os.environ.get("JAXKV_CPU_KERNELS", "1") != "0"
             and registered())
 
 

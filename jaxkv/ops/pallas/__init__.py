@@ -27,11 +27,11 @@ import os
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import decode_attention
 
 from jaxkv.ops import xla
 from jaxkv.ops.arrays import PagedKV, logical
 from jaxkv.ops.pallas import decode
+from jaxkv.ops.target import platform as target_platform
 from jaxkv.ops.xla import materialized, merge_parts, placed, prefill_chunk  # noqa: F401
 
 INTERPRET = {"1": "gpu", "gpu": "gpu", "tpu": "tpu"}  # JAXKV_PALLAS_INTERPRET -> kernels
@@ -44,7 +44,7 @@ def target() -> tuple[str, bool]:
     """(the kernels' platform, "gpu" or "tpu"; whether they run in Pallas's interpret mode): a
     GPU's or TPU's own, compiled; on a CPU, JAXKV_PALLAS_INTERPRET=1 (or gpu) interprets the GPU
     kernels, =tpu the TPU ones; a CPU without it is an error naming the variable."""
-    platform = jax.default_backend()
+    platform = target_platform()
     if platform != "cpu":
         return ("tpu" if platform == "tpu" else "gpu"), False
     chosen = os.environ.get("JAXKV_PALLAS_INTERPRET", "")
@@ -107,6 +107,8 @@ def _decode_cache(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softca
     """JAX's kernel: one query per row over float cache slots [0, lengths_B) (mask_BTS, kv_len
     and softcap are not read: the caller checked that lengths_B says it all and there is no
     cap): (out [B, 1, N, H], lse [B, 1, N]), float32; lse is -inf for a row that reads none."""
+    from jax.experimental.pallas.ops.gpu import decode_attention  # (GPU programs alone)
+
     dtype = k_BKSH.dtype
     out_BNH, (total_BN, max_BN) = decode_attention.gqa(
         q_BTNH[:, 0].astype(dtype), jnp.swapaxes(k_BKSH, 1, 2), jnp.swapaxes(v_BKSH, 1, 2),
