@@ -6,9 +6,14 @@ import shutil
 import sys
 from pathlib import Path
 
-import jax
-import numpy as np
-import pytest
+# The test extra installs the CUDA plugin and libtpu, to compile for accelerators without one
+# (test_targets.py); a host with no GPU or TPU computes on its CPU without looking for them.
+if not (Path("/dev/nvidiactl").exists() or Path("/dev/accel0").exists()):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # the scripts' own modules (hlo, training_run, bench_*) import as they do when run as scripts

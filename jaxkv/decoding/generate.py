@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.experimental import io_callback
 
+from jaxkv import ops
 from jaxkv.core import checks
 from jaxkv.core.cache import KVCache
 from jaxkv.core.decoder import decode_step, init_cache, prefill_padded
@@ -93,14 +94,15 @@ def generate(params, prompts, max_new_tokens: int, **options):
     dtype (init_cache's: float32, bfloat16, float16 or int8; default the params').
     """
     args, static = generate_args(params, prompts, max_new_tokens, **options)
-    if static["on_token"] is None:
-        return generate_loop(*args, **static)
-    try:  # wait here, so that an exception on_token raised surfaces as itself
-        return jax.block_until_ready(generate_loop(*args, **static))
-    except jax.errors.JaxRuntimeError:
-        if RaisedInCallback.errors:
-            raise RaisedInCallback.errors.pop() from None
-        raise
+    with ops.on(args[0]):  # the program is built for where the weights are (or the mesh)
+        if static["on_token"] is None:
+            return generate_loop(*args, **static)
+        try:  # wait here, so that an exception on_token raised surfaces as itself
+            return jax.block_until_ready(generate_loop(*args, **static))
+        except jax.errors.JaxRuntimeError:
+            if RaisedInCallback.errors:
+                raise RaisedInCallback.errors.pop() from None
+            raise
 
 
 @dataclasses.dataclass(frozen=True)
