@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import re
 import sys
 import time
@@ -207,13 +208,13 @@ def measure(case: Case, name: str, target: str, backend: str) -> dict:
     try:
         compiled, seconds = compile_one(fn, args, donate, device)
     except Exception as e:  # a program that does not compile there is a result, not a crash
-        return dict(row, compiled=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+        return dict(row, compiled=False, error=f"{type(e).__name__}: {str(e)[:int(os.environ.get('ERROR_CHARS', 400))]}")
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     counts = step_counts(compiled.as_text(), platform)
     weights = nbytes(params)
-    cache = nbytes(args[1]) if name != "generate" else None
+    cache = None if name == "generate" else nbytes(getattr(args[1], "cache", args[1]))
     row.update(compiled=True, compile_s=round(seconds, 1),
                argument_bytes=memory.argument_size_in_bytes,
                temp_bytes=memory.temp_size_in_bytes, weights_bytes=weights, cache_bytes=cache,

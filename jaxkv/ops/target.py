@@ -23,35 +23,40 @@ def platform() -> str:
     return ALIASES.get(name, name)
 
 
+def device_of(where):
+    """The first device of where (a device, a Mesh, or a pytree whose first leaf with a sharding
+    places it: a jax.Array, or a jax.ShapeDtypeStruct on a topology's devices); None."""
+    if isinstance(where, jax.sharding.Mesh):
+        return where.devices.flat[0]
+    if hasattr(where, "platform") and hasattr(where, "device_kind"):
+        return where
+    for leaf in jax.tree.leaves(where):
+        if getattr(leaf, "sharding", None) is not None:
+            return next(iter(leaf.sharding.device_set))
+    return None
+
+
 def platform_of(where) -> str | None:
-    """The platform of where: a platform name, a device, a Mesh, or a pytree whose first leaf
-    with a sharding (a jax.Array, or a jax.ShapeDtypeStruct placed on a topology's devices)
-    says it; None when nothing in it is placed (numpy arrays, Python numbers)."""
+    """The platform of where: a platform name, or device_of(where)'s; None when nothing in it is
+    placed (numpy arrays, Python numbers)."""
     if isinstance(where, str):
         if ALIASES.get(where, where) not in PLATFORMS:
             raise ValueError(f"platform must be one of {', '.join(PLATFORMS)} (or cuda, rocm), "
                              f"got {where!r}")
         return ALIASES.get(where, where)
-    if isinstance(where, jax.sharding.Mesh):
-        return platform_of(where.devices.flat[0])
-    if hasattr(where, "platform") and hasattr(where, "device_kind"):  # a device
-        return ALIASES.get(where.platform, where.platform)
-    for leaf in jax.tree.leaves(where):
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is not None:
-            return platform_of(next(iter(sharding.device_set)))
-    return None
+    device = device_of(where)
+    return None if device is None else ALIASES.get(device.platform, device.platform)
 
 
 @contextlib.contextmanager
 def on(where):
     """Builds the programs traced inside for where's platform (see platform_of): jaxkv's
-    backend, kernels and checks follow it. Nothing changes where where is not placed or is on
-    the platform in use already."""
+    backend, kernels and checks follow it. jax.default_device is set to where's device (a
+    kernel compiler may read the chip's kind from it) or platform name; nothing changes where
+    where is not placed or is on the platform in use already."""
     name = platform_of(where)
     if name is None or name == platform():
         yield
         return
-    with jax.default_device(name):
+    with jax.default_device(name if isinstance(where, str) else device_of(where)):
         yield
-

@@ -45,7 +45,9 @@ def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softc
     dtype = q_BKGH.dtype if quantized else k_BKSH.dtype
     q_BKRH = jnp.pad(q_BKGH.astype(dtype), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
     cache = [k_BKSH.q, k_BKSH.scale, v_BKSH.q, v_BKSH.scale] if quantized else [k_BKSH, v_BKSH]
-    cache += [] if mask_BS is None else [mask_BS.astype(jnp.int8)]
+    # (Mosaic TPU cannot take a row of int8 out of its tiles: the mask is int32 there)
+    cache += [] if mask_BS is None else [mask_BS.astype(jnp.int8 if target == "gpu" else
+                                                        jnp.int32)]
     block = functools.partial(_block, scale=scale, softcap=softcap, quantized=quantized,
                               masked=mask_BS is not None)
     run = _on_gpu if target == "gpu" else _on_tpu
@@ -98,19 +100,15 @@ def _empty_state(rows: int, H: int):
             jnp.zeros((rows, H), jnp.float32))
 
 
-def _cache_specs(cache, length: int, index, page=None):
+def _cache_specs(cache, length: int, index):
     """BlockSpecs of `length` slots of the cache arrays ([B, K, S, H] numbers, [B, K, S] scales,
-    [B, S] mask) at the block index(b, k, *rest) says; with page(b, k, *rest), the numbers and
-    scales are pools ([K, NB, P, H], [K, NB, P]) read at that page (the mask as before)."""
+    [B, S] mask) at the block index(b, k, *rest) says."""
     def spec(x):
         if x.ndim == 2:
             return pl.BlockSpec((None, length), lambda b, k, *r: (b, index(b, k, *r)))
         tail = x.shape[3:]
-        if page is None:
-            return pl.BlockSpec((None, None, length, *tail),
-                                lambda b, k, *r: (b, k, index(b, k, *r), *(0,) * len(tail)))
         return pl.BlockSpec((None, None, length, *tail),
-                            lambda b, k, *r: (k, page(b, k, *r), 0, *(0,) * len(tail)))
+                            lambda b, k, *r: (b, k, index(b, k, *r), *(0,) * len(tail)))
     return [spec(x) for x in cache]
 
 
@@ -161,16 +159,26 @@ def _on_gpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret, tabl
         out_shape=[jax.ShapeDtypeStruct((B, K, k_splits, rows, H), jnp.float32),
                    jax.ShapeDtypeStruct((B, K, k_splits, rows), jnp.float32),
                    jax.ShapeDtypeStruct((B, K, k_splits, rows), jnp.float32)],
-        interpret=interpret, name="jaxkv_decode_attention",
+        interpret=interpret, name="jaxkv_decode_attention", compiler_params=_triton(),
     )(bound_B, q_BKRH, *([table_BM] if paged else []), *cache)
     return _merge_parts(out_BKJRH, max_BKJR, total_BKJR)
+
+
+def _triton():
+    """Triton's compiler parameters: the GPU form is a Triton program (a pallas_call on a GPU
+    lowers with Mosaic GPU unless told so, from jax 0.10)."""
+    from jax.experimental.pallas import triton as pltriton  # (GPU programs alone)
+
+    return pltriton.CompilerParams()
 
 
 def _on_tpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret, table_BM=None):
     """A grid over (row, kv head, block), blocks in order; a block past the row's bound maps to
     the last one read (so it is not copied in again) and is skipped. With table_BM the blocks
     are pages of pools, the table prefetched beside the bounds and looked up as blocks are
-    copied in."""
+    copied in. Mosaic takes blocks whose last two dimensions are whole or (8, 128)-tiled, so
+    arrays of one number per slot (scales, the mask) and the log-sum-exp come with a unit
+    dimension before their last: [..., blocks, 1, block_k] read a block at a time."""
     B, K, rows, H = q_BKRH.shape
     paged = table_BM is not None
     n_blocks = table_BM.shape[1] if paged else cache[0].shape[2] // block_k
@@ -179,10 +187,13 @@ def _on_tpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret, tabl
     page = (lambda b, k, i, bound_ref, table_ref: jnp.minimum(
         table_ref[b, at(b, k, i, bound_ref)], cache[0].shape[1] - 1)) if paged else None
     prefetch = (bound_B, table_BM) if paged else (bound_B,)
+    tiled = [x if x.ndim == 4 else x.reshape(*x.shape[:-1], x.shape[-1] // block_k, 1, block_k)
+             for x in cache]
 
     def kernel(*refs):
         bound_ref, (q_ref, *refs) = refs[0], refs[len(prefetch):]
         cache_refs, (out_ref, lse_ref), state = refs[:-5], refs[-5:-3], refs[-3:]
+        cache_refs = [r if x.ndim == 4 else r.at[0] for r, x in zip(cache_refs, cache)]
         b, i = pl.program_id(0), pl.program_id(2)
 
         @pl.when(i == 0)
@@ -201,25 +212,44 @@ def _on_tpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret, tabl
         def _():
             max_R, total_R, acc_RH = (ref[...] for ref in state)
             out_ref[...] = acc_RH / jnp.maximum(total_R, jnp.finfo(jnp.float32).tiny)[:, None]
-            lse_ref[...] = jnp.where(total_R > 0, max_R + jnp.log(total_R), -jnp.inf)
+            lse_ref[0, :] = jnp.where(total_R > 0, max_R + jnp.log(total_R), -jnp.inf)
 
+    per_row = lambda *shape: pl.BlockSpec((None, None, *shape),  # noqa: E731
+                                          lambda b, k, i, *_: (b, k) + (0,) * len(shape))
     grid = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch), grid=(B, K, n_blocks),
-        in_specs=[pl.BlockSpec((None, None, rows, H), lambda b, k, i, *_: (b, k, 0, 0)),
-                  *_cache_specs(cache, block_k, at, page)],
-        out_specs=[pl.BlockSpec((None, None, rows, H), lambda b, k, i, *_: (b, k, 0, 0)),
-                   pl.BlockSpec((None, None, rows), lambda b, k, i, *_: (b, k, 0))],
+        in_specs=[per_row(rows, H), *_tpu_cache_specs(tiled, block_k, at, page)],
+        out_specs=[per_row(rows, H), per_row(1, rows)],
         scratch_shapes=[pltpu.VMEM((rows,), jnp.float32), pltpu.VMEM((rows,), jnp.float32),
                         pltpu.VMEM((rows, H), jnp.float32)])
-    return pl.pallas_call(
+    out_BKRH, lse_BK1R = pl.pallas_call(
         kernel, grid_spec=grid,
         out_shape=[jax.ShapeDtypeStruct((B, K, rows, H), jnp.float32),
-                   jax.ShapeDtypeStruct((B, K, rows), jnp.float32)],
+                   jax.ShapeDtypeStruct((B, K, 1, rows), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="jaxkv_decode_attention",
-    )(*prefetch, q_BKRH, *cache)
+    )(*prefetch, q_BKRH, *tiled)
+    return out_BKRH, lse_BK1R[:, :, 0]
+
+
+def _tpu_cache_specs(tiled, block_k: int, index, page=None):
+    """BlockSpecs of one block of the cache arrays as _on_tpu tiles them: numbers [B, K, S, H],
+    scales [B, K, S / block_k, 1, block_k] and the mask [B, S / block_k, 1, block_k], at the
+    block index(b, k, *rest) says; with page(b, k, *rest), numbers [K, NB, P, H] and scales
+    [K, NB, 1, 1, P] are pools read at that page (the mask as before)."""
+    def spec(x):
+        if x.ndim == 4 and x.shape[2] == 1:  # the mask
+            return pl.BlockSpec((None, None, 1, block_k),
+                                lambda b, k, *r: (b, index(b, k, *r), 0, 0))
+        block = (None, None, block_k, x.shape[3]) if x.ndim == 4 else (None, None, None, 1,
+                                                                        block_k)
+        zeros = (0,) * (x.ndim - 3)
+        if page is None:
+            return pl.BlockSpec(block, lambda b, k, *r: (b, k, index(b, k, *r), *zeros))
+        return pl.BlockSpec(block, lambda b, k, *r: (k, page(b, k, *r), 0, *zeros))
+    return [spec(x) for x in tiled]
 
 
 def _reorder(state):
