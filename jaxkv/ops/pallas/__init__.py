@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.ops import xla
-from jaxkv.ops.arrays import PagedKV, logical
+from jaxkv.ops.arrays import Int8KV, PagedKV, logical
 from jaxkv.ops.pallas import decode
 from jaxkv.ops.target import platform as target_platform
 from jaxkv.ops.xla import materialized, merge_parts, placed, prefill_chunk  # noqa: F401
@@ -62,6 +62,8 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv
     reference (a PagedKV cache as its rows see it)."""
     paged = isinstance(k_BKSH, PagedKV)
     split = _paged_split(k_BKSH) if paged else _split(k_BKSH.shape[2])
+    if split is not None and target()[0] == "tpu":
+        split = _tpu_block(k_BKSH, split)
     if (q_BTNH.shape[1] != 1 or bias_BNTS is not None or (own is not None and own[3] is not None)
             or split is None):
         if paged:
@@ -90,6 +92,20 @@ def _split(S: int):
             if block is not None:
                 return k_splits, block
     return None
+
+
+def _tpu_block(k, split):
+    """The TPU form visits blocks in order (no splits): the largest block of up to 512 slots
+    (a whole page when paged), at least the rows of one of Mosaic's tiles of the cache's numbers
+    (8 float32, 16 bfloat16, 32 int8); None where the pages are smaller."""
+    numbers = k.pool if isinstance(k, PagedKV) else k
+    numbers = numbers.q if isinstance(numbers, Int8KV) else numbers
+    tile = 32 // jnp.dtype(numbers.dtype).itemsize
+    if isinstance(k, PagedKV):
+        return split if split[1] >= tile else None
+    S = k.shape[2]
+    block = next((b for b in (512, 256, 128, 64, 32, 16, 8) if S % b == 0 and b >= tile), None)
+    return None if block is None else (1, block)
 
 
 def _paged_split(k: PagedKV):

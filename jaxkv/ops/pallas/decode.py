@@ -89,8 +89,10 @@ def _block(state, q_RH, refs, at, first_slot, bound, *, scale, softcap, quantize
 
 def _product(a_RX, b_YX, contracted: int):
     """a @ b.T (contracted=1) or a @ b (0), accumulated in float32; float32 operands exactly
-    (no TF32)."""
-    precision = jax.lax.Precision.HIGHEST if a_RX.dtype == jnp.float32 else None
+    (no TF32), 16-bit ones as they are."""
+    # (said either way: a global "highest" would ask Mosaic for float32 passes over bfloat16)
+    precision = (jax.lax.Precision.HIGHEST if a_RX.dtype == jnp.float32 else
+                 jax.lax.Precision.DEFAULT)
     return jax.lax.dot_general(a_RX, b_YX, (((1,), (contracted,)), ((), ())),
                                precision=precision, preferred_element_type=jnp.float32)
 

@@ -1,0 +1,82 @@
+"""jaxkv compiled for accelerators this host does not have (scripts/compile_targets.py): every
+Pallas kernel form and a tiny model's programs, for an H100 and a TPU v5e, through the default
+backend. A kernel that does not compile there fails here. Needs the CUDA plugin and libtpu (the
+test extra installs both); nothing runs, only XLA's and Mosaic's / Triton's compilers."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from compile_targets import Case, abstract_params, compile_one, programs, step_counts
+from jaxkv import ops
+from jaxkv.ops.arrays import Int8KV, PagedKV
+from targets import target_devices
+
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # (libtpu: no cluster to look up)
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+TARGETS = ["h100", "v5e"]
+KERNEL_CALL = {"h100": "__gpu$xla.gpu.triton", "v5e": "tpu_custom_call"}
+B, K, G, S, H = 2, 2, 4, 256, 64
+
+
+def _sds(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _cache(form):
+    """Abstract keys (values alike) of a kernel form: float, int8 or a paged pool of float."""
+    if form == "int8":
+        return Int8KV(_sds((B, K, S, H), jnp.int8), _sds((B, K, S), jnp.float32))
+    if form == "paged":
+        return PagedKV(_sds((K, B * S // 16, 16, H)), _sds((B, S // 16), jnp.int32))
+    return _sds((B, K, S, H))
+
+
+FORMS = {  # name: (cache form, options of ops.attention beyond the decode step's lengths)
+    "dense": ("float", {}), "ring": ("float", {"ring": True}), "int8": ("int8", {}),
+    "paged": ("paged", {}), "softcapped": ("float", {"softcap": 30.0}),
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_each_kernel_form_compiles(target, form):
+    """ops.attention for one decode-step query per row, as the default backend on target takes
+    it: the kernel is in the compiled program (one custom call), with no host sync."""
+    kind, options = FORMS[form]
+    device = target_devices(target)[0]
+    ring = options.pop("ring", False) if options else False
+    args = [_sds((B, 1, K * G, H)), _cache(kind), _cache(kind), _sds((B, 1, S), jnp.bool_),
+            _sds((B,), jnp.int32)]
+
+    def step(q, k, v, mask, lengths):
+        return ops.attention(q, k, v, mask, 0.125, lengths=None if ring else lengths,
+                             kv_len=jnp.max(lengths), **options)
+
+    with ops.on(device):
+        assert ops.backend_name() == "pallas"
+        compiled, _ = compile_one(step, args, (), device)
+    text = compiled.as_text()
+    assert KERNEL_CALL[target] in text or "jaxkv_decode_attention" in text
+    assert step_counts(text, ops.platform_of(device))["host_syncs"] == 0
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+def test_a_tiny_models_programs_compile(target, kv):
+    """decode_step, generate's loop and generate_many's paged step of a tiny Llama, bfloat16
+    weights: each compiles for target; the decode step has no host sync and reads its cache
+    through a kernel."""
+    device = target_devices(target)[0]
+    case = Case("tiny", batch=2, context=256, kv=kv)
+    with ops.on(device):
+        params = abstract_params(case)
+        made = programs(case, params, ("decode_step", "generate", "paged_step"))
+    for name, (fn, args, donate) in made.items():
+        compiled, _ = compile_one(fn, args, donate, device)
+        if name == "decode_step":
+            text = compiled.as_text()
+            assert KERNEL_CALL[target] in text or "jaxkv_decode_attention" in text
+            assert step_counts(text, ops.platform_of(device))["host_syncs"] == 0
