@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -24,6 +25,14 @@ import jaxkv  # noqa: E402
 from jaxkv.training import train  # noqa: E402
 
 train.deterministic()  # on a GPU, as the training scripts run: bitwise-reproducible
+
+def own_lines(stderr: str) -> str:
+    """A process's stderr without the C++ libraries' log lines (absl's: the CUDA plugin that the
+    test extra installs announces at `import jax` that this host has no GPU): what jaxkv said."""
+    return "".join(line for line in stderr.splitlines(keepends=True) if not re.match(
+        r"WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} \d\d:\d\d:\d\d",
+        line))
+
 
 TINY = dict(vocab_size=97, d_model=64, n_layers=3, max_seq_len=128)
 

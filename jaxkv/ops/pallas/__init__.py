@@ -1,23 +1,19 @@
-"""The Pallas backend: JAX's own Pallas kernels where one fits, jaxkv.ops.xla elsewhere.
+"""The Pallas backend: jaxkv's Pallas kernels where one fits, jaxkv.ops.xla elsewhere.
 
-JAXKV_OPS=pallas chooses it. On an NVIDIA GPU its kernels compile with Triton, on a TPU with
-Mosaic; on a CPU they run in Pallas's interpret mode, the GPU ones with
-JAXKV_PALLAS_INTERPRET=1 (or gpu), the TPU ones with =tpu (how the suite checks both against
-the XLA reference), and are refused without it.
+The default on a GPU or TPU (jaxkv.ops.target); JAXKV_OPS=pallas chooses it anywhere. On an
+NVIDIA GPU its kernels compile with Triton, on a TPU with Mosaic; on a CPU they run in Pallas's
+interpret mode, the GPU ones with JAXKV_PALLAS_INTERPRET=1 (or gpu), the TPU ones with =tpu (how
+the suite checks both against the XLA reference), and are refused without it.
 
 What takes a kernel today is a decode step's attention (one query per row, no bias) over a
 cache of whole blocks of 16 slots: its cache part (the step's own key is XLA's, the two merged
-by log-sum-exp) goes to
-
-- on a GPU, for a global layer's float cache read over [0, lengths) (a decode step's) without
-  soft-cap: jax.experimental.pallas.ops.gpu.decode_attention (grouped-query without repeating
-  K/V, only the filled blocks read, split over the sequence);
-- for the rest, where JAX has no kernel that fits (sliding-window rings: a mask of slots, not a
-  prefix; int8 caches read as int8 with their scales; soft-capped scores; on a TPU, all of
-  them): jaxkv's own, jaxkv.ops.pallas.decode, in its GPU or TPU form;
-- a paged cache's layers (PagedKV, pages of 16 to 128 slots): jaxkv's own too, reading each
-  row's pages through its block table (JAX's paged_attention kernels, GPU and TPU, return no
-  log-sum-exp, which merging the step's own key needs).
+by log-sum-exp) goes to jaxkv.ops.pallas.decode, in its GPU or TPU form: float caches read over
+[0, lengths) (a decode step's), sliding-window rings (a mask of slots), int8 caches read as int8
+with their scales, soft-capped scores, and paged caches (PagedKV, pages of 16 to 128 slots: each
+row's pages read through its block table). JAX's own kernels do not fit: its GPU
+decode_attention (Triton) is deprecated from jax 0.11 and reads only float prefixes; its
+paged_attention kernels, GPU and TPU, return no log-sum-exp, which merging the step's own key
+needs.
 
 Prefill chunks, tree passes and the products are XLA's for now (docs/design-notes.md says which
 kernel would take each).
@@ -70,11 +66,8 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv
             k_BKSH, v_BKSH = logical(k_BKSH), logical(v_BKSH)
         return xla.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
                              softcap)
-    platform, _ = target()
-    plain = lengths is not None and softcap is None and isinstance(k_BKSH, jax.Array)
-    cache_part = _decode_cache if plain and platform == "gpu" else _decode_masked
-    out_BTNH, lse_BTN = cache_part(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, softcap,
-                                   lengths, *split)
+    out_BTNH, lse_BTN = _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, softcap,
+                                       lengths, *split)
     if own is None:
         return out_BTNH, lse_BTN
     own_keys = xla.own_as_cache(k_BKSH.pool if paged else k_BKSH, own)[:3]
@@ -116,22 +109,6 @@ def _paged_split(k: PagedKV):
     if P not in (16, 32, 64, 128):
         return None
     return next(n for n in (16, 8, 4, 2, 1) if M % n == 0), P
-
-
-def _decode_cache(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softcap, lengths_B,
-                  k_splits: int, block_k: int):
-    """JAX's kernel: one query per row over float cache slots [0, lengths_B) (mask_BTS, kv_len
-    and softcap are not read: the caller checked that lengths_B says it all and there is no
-    cap): (out [B, 1, N, H], lse [B, 1, N]), float32; lse is -inf for a row that reads none."""
-    from jax.experimental.pallas.ops.gpu import decode_attention  # (GPU programs alone)
-
-    dtype = k_BKSH.dtype
-    out_BNH, (total_BN, max_BN) = decode_attention.gqa(
-        q_BTNH[:, 0].astype(dtype), jnp.swapaxes(k_BKSH, 1, 2), jnp.swapaxes(v_BKSH, 1, 2),
-        kv_seq_len=lengths_B, sm_scale=scale, block_k=block_k, k_splits=k_splits,
-        interpret=target()[1], return_residuals=True)
-    lse_BN = jnp.where(total_BN > 0, max_BN + jnp.log(jnp.maximum(total_BN, 1e-30)), -jnp.inf)
-    return out_BNH.astype(jnp.float32)[:, None], lse_BN[:, None]
 
 
 def _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softcap, lengths_B,
