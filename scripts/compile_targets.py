@@ -17,6 +17,7 @@ cost model's bytes read against weights + cache. Results: results/targets/jax-<v
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -270,24 +271,19 @@ def main(argv=None):
     return rows
 
 
-class forced:
+@contextlib.contextmanager
+def forced(backend: str):
     """JAXKV_OPS set to backend inside (default: unset), JAX's caches cleared around it."""
-
-    def __init__(self, backend):
-        self.backend = backend
-
-    def __enter__(self):
-        import os
-        self.was = os.environ.pop("JAXKV_OPS", None)
-        if self.backend != "default":
-            os.environ["JAXKV_OPS"] = self.backend
-        jax.clear_caches()
-
-    def __exit__(self, *exc):
-        import os
+    was = os.environ.pop("JAXKV_OPS", None)
+    if backend != "default":
+        os.environ["JAXKV_OPS"] = backend
+    jax.clear_caches()
+    try:
+        yield
+    finally:
         os.environ.pop("JAXKV_OPS", None)
-        if self.was is not None:
-            os.environ["JAXKV_OPS"] = self.was
+        if was is not None:
+            os.environ["JAXKV_OPS"] = was
         jax.clear_caches()
 
 

@@ -80,3 +80,17 @@ def test_a_tiny_models_programs_compile(target, kv):
             text = compiled.as_text()
             assert KERNEL_CALL[target] in text or "jaxkv_decode_attention" in text
             assert step_counts(text, ops.platform_of(device))["host_syncs"] == 0
+
+
+def test_the_script_writes_its_table(tmp_path):
+    """scripts/compile_targets.py on a tiny model for a v5e: its JSON and table, with the TPU
+    cost model's bytes read against weights + cache."""
+    import json
+
+    from compile_targets import main
+
+    main(["--targets", "v5e", "--models", "tiny", "--backends", "default", "--weights",
+          "int8", "--kv", "bfloat16", "--programs", "decode_step", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "compile_targets.json").read_text())
+    assert row["compiled"] and row["host_syncs"] == 0 and row["read_over_weights_cache"] > 0
+    assert "| v5e | decode_step | default | tiny |" in (tmp_path / "compile_targets.md").read_text()
