@@ -115,24 +115,28 @@ def programs(case: Case, params, names=PROGRAMS) -> dict:
     return made
 
 
-NO_AUTOTUNING = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+# What XLA:GPU cannot do without the device: autotune its Triton products (jax 0.12's finds no
+# configuration for some shapes; jax 0.10's takes its default) and size CUB's radix sort's
+# scratch (it loads CUDA's runtime library). A program that needs either compiles again with
+# products on cuBLAS, untuned, and XLA's own sort: close to, not exactly, the device's program.
+DEVICELESS_GPU = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False,
+                  "xla_gpu_enable_cub_radix_sort": False}
 
 
 def compile_one(fn, args, donate, device):
-    """(compiled, seconds) of fn on args placed on device, built for device's platform. XLA:GPU
-    autotunes its Triton products on the device; jax 0.12's finds no configuration for some
-    shapes without one (jax 0.10's takes its default): those programs compile again with the
-    products on cuBLAS, untuned (NO_AUTOTUNING)."""
+    """(compiled, seconds, whether it took DEVICELESS_GPU) of fn on args placed on device,
+    built for device's platform."""
     lowered_at = time.perf_counter()
     with ops.on(device):
         lowered = jax.jit(fn, donate_argnames=donate).lower(*abstract(args, device))
         try:
-            compiled = lowered.compile()
+            compiled, fallback = lowered.compile(), False
         except jax.errors.JaxRuntimeError as e:
-            if ops.platform_of(device) != "gpu" or "configs" not in str(e):
+            if ops.platform_of(device) != "gpu" or not (
+                    "configs" in str(e) or "CUDA Runtime error" in str(e)):
                 raise
-            compiled = lowered.compile(compiler_options=NO_AUTOTUNING)
-    return compiled, time.perf_counter() - lowered_at
+            compiled, fallback = lowered.compile(compiler_options=DEVICELESS_GPU), True
+    return compiled, time.perf_counter() - lowered_at, fallback
 
 
 NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
@@ -219,7 +223,7 @@ def measure(case: Case, name: str, target: str, backend: str) -> dict:
         params = abstract_params(case)
         fn, args, donate = programs(case, params, (name,))[name]
     try:
-        compiled, seconds = compile_one(fn, args, donate, device)
+        compiled, seconds, fallback = compile_one(fn, args, donate, device)
     except Exception as e:  # a program that does not compile there is a result, not a crash
         return dict(row, compiled=False, error=f"{type(e).__name__}: {str(e)[:int(os.environ.get('ERROR_CHARS', 400))]}")
     memory = compiled.memory_analysis()
@@ -228,7 +232,7 @@ def measure(case: Case, name: str, target: str, backend: str) -> dict:
     counts = step_counts(compiled.as_text(), platform)
     weights = nbytes(params)
     cache = None if name == "generate" else nbytes(getattr(args[1], "cache", args[1]))
-    row.update(compiled=True, compile_s=round(seconds, 1),
+    row.update(compiled=True, compile_s=round(seconds, 1), deviceless_gpu_options=fallback,
                argument_bytes=memory.argument_size_in_bytes,
                temp_bytes=memory.temp_size_in_bytes, weights_bytes=weights, cache_bytes=cache,
                **counts, kernels_per_layer=round(counts["kernels"] / MODELS[case.model].n_layers,

@@ -1,15 +1,16 @@
-"""jaxkv's own decode-attention kernels, for the decode steps JAX's kernels do not take.
+"""jaxkv's own decode-attention kernels, for every decode step of the Pallas backend.
 
-jax.experimental.pallas.ops.gpu.decode_attention reads a per-row prefix [0, length) of float
-keys; JAX's TPU paged_attention reads keys as bfloat16 and returns no log-sum-exp (which merging
-a step's own key needs). A decode step also reads sliding-window rings (any subset of slots,
+JAX's GPU decode_attention (deprecated from jax 0.11) reads a per-row prefix [0, length) of
+float keys; JAX's TPU paged_attention reads keys as bfloat16 and returns no log-sum-exp (which
+merging a step's own key needs). A decode step reads float prefixes, and also sliding-window rings (any subset of slots,
 given by a mask), int8 caches (an Int8KV: int8 numbers and one scale per token and kv head, read
 as such) and soft-capped scores (Gemma 2). These kernels take all of those: one query per row and
 query head, its kv head's slots read in blocks up to a per-row bound (no block past it is
 read), masked per slot, an online softmax in float32. Two forms of the same block update:
 
 - gpu: Triton's; programs over (row, kv head, part of the sequence), each looping over its
-  part's blocks, the parts merged by log-sum-exp after.
+  part's blocks, the parts merged by log-sum-exp after. (Triton's Pallas backend is deprecated
+  from jax 0.11; a Mosaic GPU form for Hopper is still to write.)
 - tpu: Mosaic's; a grid over (row, kv head, block), the blocks visited in order with the
   softmax state in VMEM scratch, the bound prefetched so that blocks past it are not copied in.
 
