@@ -225,7 +225,7 @@ def measure(case: Case, name: str, target: str, backend: str) -> dict:
     try:
         compiled, seconds, fallback = compile_one(fn, args, donate, device)
     except Exception as e:  # a program that does not compile there is a result, not a crash
-        return dict(row, compiled=False, error=f"{type(e).__name__}: {str(e)[:int(os.environ.get('ERROR_CHARS', 400))]}")
+        return dict(row, compiled=False, error=f"{type(e).__name__}: {str(e)[:400]}")
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -281,9 +281,9 @@ def main(argv=None):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compile_targets.json").write_text(json.dumps(rows, indent=1))
+    command = " ".join(["python scripts/compile_targets.py", *(argv or sys.argv[1:])])
     (out / "compile_targets.md").write_text(
-        f"jax {jax.__version__}, `python scripts/compile_targets.py {' '.join(argv or sys.argv[1:])}`"
-        f"\n\n{table(rows)}\n")
+        f"jax {jax.__version__}, `{command}`\n\n{table(rows)}\n")
     return rows
 
 

@@ -2,11 +2,12 @@
 
 JAX's GPU decode_attention (deprecated from jax 0.11) reads a per-row prefix [0, length) of
 float keys; JAX's TPU paged_attention reads keys as bfloat16 and returns no log-sum-exp (which
-merging a step's own key needs). A decode step reads float prefixes, and also sliding-window rings (any subset of slots,
-given by a mask), int8 caches (an Int8KV: int8 numbers and one scale per token and kv head, read
-as such) and soft-capped scores (Gemma 2). These kernels take all of those: one query per row and
-query head, its kv head's slots read in blocks up to a per-row bound (no block past it is
-read), masked per slot, an online softmax in float32. Two forms of the same block update:
+merging a step's own key needs). A decode step reads float prefixes, and also sliding-window
+rings (any subset of slots, given by a mask), int8 caches (an Int8KV: int8 numbers and one
+scale per token and kv head, read as such) and soft-capped scores (Gemma 2). These kernels take
+all of those: one query per row and query head, its kv head's slots read in blocks up to a
+per-row bound (no block past it is read), masked per slot, an online softmax in float32. Two
+forms of the same block update:
 
 - gpu: Triton's; programs over (row, kv head, part of the sequence), each looping over its
   part's blocks, the parts merged by log-sum-exp after. (Triton's Pallas backend is deprecated
