@@ -98,7 +98,7 @@ def test_checks_can_be_switched_off(params, cache):
                            jnp.array([0, 16]))
         assert logits_BV.shape == (2, 97)
     finally:
-        checks.set_value_checks(True)
+        checks.set_value_checks(None)
     with pytest.raises(jax.errors.JaxRuntimeError, match="outside the cache"):
         run(jax.jit(jaxkv.decode_step), params, cache, jnp.array([1, 2]), jnp.array([0, 16]))
 
@@ -110,8 +110,34 @@ def test_checks_do_not_change_results(params, cache, step):
         checks.set_value_checks(False)
         off, _ = run(jax.jit(jaxkv.decode_step), params, cache, token_B, pos_B)
     finally:
-        checks.set_value_checks(True)
+        checks.set_value_checks(None)
     np.testing.assert_array_equal(on, off)
+
+
+def test_checks_are_compiled_in_by_platform(params, cache):
+    """By default a traced decode step holds its value checks' host callback when built for a
+    CPU, not for a GPU or TPU (there a cond waits on the host every step); True puts them in
+    everywhere, None is the default again."""
+    token_B, pos_B = jnp.array([1, 2]), jnp.array([0, 1])  # (made here: no GPU to make them on)
+
+    def callbacks():
+        return "callback" in str(jax.make_jaxpr(jaxkv.decode_step)(params, cache, token_B,
+                                                                   pos_B))
+
+    def on_each():
+        counts = [callbacks()]
+        for platform in ("gpu", "tpu"):
+            with jaxkv.ops.on(platform):
+                counts.append(callbacks())
+        return counts
+
+    assert on_each() == [True, False, False]  # (CPU, GPU, TPU)
+    try:
+        checks.set_value_checks(True)
+        assert on_each() == [True, True, True]
+    finally:
+        checks.set_value_checks(None)
+    assert on_each() == [True, False, False]
 
 
 # ---- prefill, extend, forests --------------------------------------------------------------
