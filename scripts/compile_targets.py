@@ -29,6 +29,8 @@ from pathlib import Path
 
 from targets import TARGETS, target_devices  # (first: it sets how JAX starts)
 
+from hlo import hlo_computations  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -152,7 +154,7 @@ def step_counts(text: str, platform: str) -> dict:
     host callbacks, and the host syncs they make on platform, in compiled HLO text. The step is
     the program, or for a program with loops the body of its largest (a decode loop's step),
     whose own trip count counts as a sync where XLA does not know it."""
-    computations = _computations(text)
+    computations = hlo_computations(text)
     entry = next(n for n, c in computations.items() if c.lstrip().startswith("ENTRY"))
     ops_ = {n: _instructions(c) for n, c in computations.items()}
     loops = [(line, body) for n in _reached(entry, ops_) for op, line in ops_[n]
@@ -202,11 +204,6 @@ def _tally(ops_: dict, names) -> dict:
             c["callbacks"] += ("callback" in line and op == "custom-call") or (
                 "is_host_transfer=true" in line and op in ("send", "recv"))
     return c
-
-
-def _computations(text: str) -> dict:
-    named = ((re.match(r"\s*(?:ENTRY\s+)?(%[\w.\-]+) ", c), c) for c in text.split("\n\n"))
-    return {m.group(1): c for m, c in named if m}
 
 
 def nbytes(tree) -> int:

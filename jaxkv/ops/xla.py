@@ -80,11 +80,11 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv
     own = own_as_cache(k_BKSH, own)
     keys = [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS)] + ([] if own is None else [own])
     S = k_BKSH.shape[2]
-    few = q_BTNH.shape[1] * S <= BLOCK * BLOCK
-    if kv_len is None or bias_BNTS is not None or S <= BLOCK or (few and platform() == "gpu"):
+    few, gpu = q_BTNH.shape[1] * S <= BLOCK * BLOCK, platform() == "gpu"
+    if kv_len is None or bias_BNTS is not None or S <= BLOCK or (few and gpu):
         return _attend_dense(q_BTNH, keys, scale, softcap)
     blocks = functools.partial(_attend_blocks, q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len,
-                               own, softcap, every=platform() == "gpu")
+                               own, softcap, every=gpu)
     if not few:  # many queries (a prefill chunk): scores [T, BLOCK]
         return blocks()
     dense = functools.partial(_attend_dense, q_BTNH, keys, scale, softcap)
