@@ -1,5 +1,6 @@
 """Loading Hugging Face checkpoints (parity with transformers) and jaxkv's own save/load."""
 
+import dataclasses
 import json
 import shutil
 
@@ -320,3 +321,28 @@ def test_int8_blocks_with_a_transposing_map_are_refused():
     with pytest.raises(jaxkv.CheckpointError, match="attn.c_attn.weight.*can only have their "
                                                     "rows reordered"):
         convert.build_params(config, name_map, get_tensor, "gpt2.bin", int8=True)
+
+
+def test_a_save_with_gate_up_rows_one_by_one_loads_in_todays_blocks(tmp_path):
+    """jaxkv.save wrote a gated w_in's gate and up rows one by one before it wrote
+    gate_up_block (now blocks of 128 units where d_ff allows): such a save loads as the same
+    model."""
+    from jaxkv.core.params import gate_up_block
+
+    config = dataclasses.replace(CONFIGS["llama_gqa"], d_ff=256)
+    params = jaxkv.init_params(config, jax.random.key(3))
+    assert gate_up_block(config.d_ff) == 128
+    F, D = config.d_ff, config.d_model
+    unit_by_unit = lambda w: w.reshape(F // 128, 2, 128, D).swapaxes(0, 1).reshape(  # noqa: E731
+        2, F, D).swapaxes(0, 1).reshape(2 * F, D)
+    old = params.replace(blocks=tuple(b.replace(w_in=unit_by_unit(b.w_in))
+                                      for b in params.blocks))
+    jaxkv.save(old, tmp_path / "old")
+    meta_file = tmp_path / "old" / saved.SAVED_CONFIG
+    meta = json.loads(meta_file.read_text())
+    del meta["gate_up_block"]
+    meta_file.write_text(json.dumps(meta))
+    saved._write_manifest(str(tmp_path / "old"), [saved.SAVED_CONFIG, *saved._files_under(
+        str(tmp_path / "old"), "params")])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 params, jaxkv.load(tmp_path / "old"))

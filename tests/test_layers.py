@@ -48,3 +48,31 @@ def test_a_pass_computes_cos_and_sin_once(llama):
     assert {kind for _, kind in ops} == {"sine", "cosine"}
     assert all(shape == f"f32[2,16,{config.head_dim // 2}]" for shape, _ in ops), ops
     assert all(sum(k == kind for _, k in ops) <= 2 for kind in ("sine", "cosine")), ops
+
+
+def test_gated_mlp_reads_gate_and_up_rows_in_blocks():
+    """A gated w_in fuses gate and up in blocks of 128 units where d_ff allows (XLA:TPU reads
+    those as stored) and unit by unit elsewhere: either way mlp is act(x gate^T) * (x up^T)
+    down^T, and the rows of a model-axis share of whole blocks are the join of the same share of
+    gate and of up (how a sharded load builds its share)."""
+    from jaxkv.core.layers import mlp
+    from jaxkv.core.params import Block, gate_up_block, gate_up_rows
+
+    rng = np.random.default_rng(0)
+    for F in (96, 512):
+        c = jaxkv.Config.llama(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                               d_ff=F, max_seq_len=16)
+        gate, up = (rng.standard_normal((F, 32)).astype(np.float32) for _ in range(2))
+        down = rng.standard_normal((32, F)).astype(np.float32)
+        x_BTD = rng.standard_normal((2, 3, 32)).astype(np.float32)
+        b = Block(attn_norm=None, wqkv=None, wo=None, mlp_norm=None,
+                  w_in=jnp.asarray(gate_up_rows(gate, up)), w_out=jnp.asarray(down))
+        silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
+        want = (silu(x_BTD @ gate.T) * (x_BTD @ up.T)) @ down.T
+        np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x_BTD), b, c)), want, rtol=1e-4,
+                                   atol=1e-4)
+        t = gate_up_block(F)
+        assert t == (128 if F == 512 else 1)
+        half = F // 2  # two shares of whole blocks
+        np.testing.assert_array_equal(gate_up_rows(gate, up)[:F],
+                                      gate_up_rows(gate[:half], up[:half]))

@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxkv import ops
 from jaxkv.core.config import Config
-from jaxkv.core.params import Norm
+from jaxkv.core.params import Norm, gate_up_block, split_gate_up
 
 ACTIVATIONS = {
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -82,8 +82,8 @@ def mlp(x_BTD, b, config: Config):
     act = ACTIVATIONS[config.activation]
     h_BTF = ops.matmul(x_BTD, b.w_in, b.b_in)
     if config.gated_mlp:
-        gate_up_BTF2 = h_BTF.reshape(*h_BTF.shape[:-1], -1, 2)
-        h_BTF = act(gate_up_BTF2[..., 0]) * gate_up_BTF2[..., 1]
+        gate_BTF, up_BTF = split_gate_up(h_BTF, gate_up_block(config.d_ff))
+        h_BTF = act(gate_BTF) * up_BTF
     else:
         h_BTF = act(h_BTF)
     return ops.matmul(h_BTF, b.w_out, b.b_out, costly_x=config.gated_mlp)

@@ -33,7 +33,7 @@ class Block:
     wqkv: jax.Array  # [K * (G + 2) * H, D]: per kv head, G query heads, its key, its value
     wo: jax.Array  # [D, N * H]
     mlp_norm: Norm
-    w_in: jax.Array  # [F, D], or [2 * F, D] gated: rows (gate f, up f) for each f
+    w_in: jax.Array  # [F, D], or [2 * F, D] gated: gate and up rows in blocks (gate_up_rows)
     w_out: jax.Array  # [D, F]
     bqkv: jax.Array | None = None  # [K * (G + 2) * H]
     bo: jax.Array | None = None  # [D]
@@ -105,9 +105,48 @@ def kv_rows(config: Config, k, v):
     return np.stack([k.reshape(K, H, *rest), v.reshape(K, H, *rest)], axis=1).reshape(-1, *rest)
 
 
+GATE_UP_BLOCK = 128  # a TPU's lane width
+
+
+def gate_up_block(d_ff: int) -> int:
+    """Rows of each block of a gated w_in: GATE_UP_BLOCK where d_ff is a multiple of it, else 1.
+    (XLA:TPU reads blocks of 128 rows as the matrix is stored; interleaved row by row, it laid the
+    whole matrix out anew every step, docs/performance.md.)"""
+    return GATE_UP_BLOCK if d_ff % GATE_UP_BLOCK == 0 else 1
+
+
 def gate_up_rows(gate, up):
-    """Fuse gate and up [F, ...] into w_in's row order (gate f, up f)."""
-    return np.stack([gate, up], axis=1).reshape(-1, *gate.shape[1:])
+    """Fuse gate and up [F, ...] into w_in's row order: per block of t = gate_up_block(F) units,
+    their t gate rows, then their t up rows (a model-axis share of whole blocks holds the units'
+    gate and up alike)."""
+    F, rest = gate.shape[0], gate.shape[1:]
+    t = gate_up_block(F)
+    return np.stack([gate.reshape(F // t, t, *rest), up.reshape(F // t, t, *rest)],
+                    axis=1).reshape(-1, *rest)
+
+
+def split_gate_up(h_XF2, t: int):
+    """(gate, up) [..., F] of the last axis of h [..., 2 F] in w_in's row order, blocks of t."""
+    blocks = h_XF2.reshape(*h_XF2.shape[:-1], -1, 2, t)
+    return (blocks[..., 0, :].reshape(*h_XF2.shape[:-1], -1),
+            blocks[..., 1, :].reshape(*h_XF2.shape[:-1], -1))
+
+
+def regroup_gate_up(params, t_was: int):
+    """params whose gated w_in / b_in rows are in blocks of t_was (jaxkv.save before 2026-11
+    wrote blocks of 1), in today's blocks of gate_up_block(d_ff)."""
+    c = params.config
+    t = gate_up_block(c.d_ff)
+    if not c.gated_mlp or t == t_was:
+        return params
+
+    def regroup(path, x):
+        if not {"w_in", "b_in"} & set(path_name(path).split(".")):
+            return x
+        F, rest = c.d_ff, x.shape[1:]
+        gate_up = jnp.swapaxes(x.reshape(F // t_was, 2, t_was, *rest), 0, 1)  # [2, F/t', t', .]
+        return jnp.swapaxes(gate_up.reshape(2, F // t, t, *rest), 0, 1).reshape(2 * F, *rest)
+    return jax.tree_util.tree_map_with_path(regroup, params)
 
 
 def sinusoids(length: int, dim: int, max_timescale: float = 10000.0):

@@ -15,18 +15,22 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.core.params import path_name
+from jaxkv.core.params import gate_up_block, path_name
 
 DATA, MODEL = "data", "model"
 
 # Which axis of each parameter (by leaf name) is split over the model axis, and which size
 # must divide the model axis for the split to keep heads / units whole: fused Q/K/V rows are
-# grouped by kv head, gate/up rows by MLP unit (see params.py).
+# grouped by kv head, gated gate/up rows by blocks of MLP units (see params.py).
+def _mlp_blocks(c) -> int:
+    return c.d_ff // gate_up_block(c.d_ff) if c.gated_mlp else c.d_ff
+
+
 _MODEL_AXIS = {
     "wqkv": (0, "n_kv_heads"), "bqkv": (0, "n_kv_heads"), "wkv": (0, "n_kv_heads"),
     "bkv": (0, "n_kv_heads"), "wq": (0, "n_heads"), "bq": (0, "n_heads"),
-    "wo": (1, "n_heads"), "w_in": (0, "d_ff"), "b_in": (0, "d_ff"), "w_out": (1, "d_ff"),
-    "embed": (0, "vocab_size"), "lm_head": (0, "vocab_size"),
+    "wo": (1, "n_heads"), "w_in": (0, _mlp_blocks), "b_in": (0, _mlp_blocks),
+    "w_out": (1, "d_ff"), "embed": (0, "vocab_size"), "lm_head": (0, "vocab_size"),
 }
 
 
@@ -119,7 +123,8 @@ def param_shardings(params, mesh: Mesh):
 
     def one(path, leaf):
         axis, unit = _MODEL_AXIS.get(path_name(path).split(".")[-1], (None, None))
-        whole = unit is not None and getattr(c, unit) % mesh.shape[MODEL] == 0
+        size = None if unit is None else unit(c) if callable(unit) else getattr(c, unit)
+        whole = size is not None and size % mesh.shape[MODEL] == 0
         return NamedSharding(mesh, _spec(leaf.ndim, axis if whole else None, MODEL))
 
     return jax.tree.map_with_path(one, params)

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jaxkv.core.config import Config
-from jaxkv.core.params import Params, path_name, skeleton
+from jaxkv.core.params import Params, gate_up_block, path_name, regroup_gate_up, skeleton
 from jaxkv.core.sharding import param_shardings
 from jaxkv.formats.common import build_config, read_json
 from jaxkv.models.maps import CheckpointError
@@ -44,7 +44,8 @@ def save(params: Params, path, tokenizer=None, chat_template: str | None = None)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(path, "params"), flat, save_args=chunks, force=True)
     meta = {"config": params.config.to_dict(), "dtype": str(params.dtype),
-            "chat_template": chat_template}
+            "chat_template": chat_template,
+            "gate_up_block": gate_up_block(params.config.d_ff)}
     with open(os.path.join(path, SAVED_CONFIG), "w") as f:
         json.dump(meta, f, indent=2)
     written = [SAVED_CONFIG, *_files_under(path, "params")]
@@ -97,6 +98,8 @@ def load_saved(path: str, dtype=None, mesh=None) -> Params:
     flat = _restore(os.path.join(path, "params"), _flat(shapes))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     params = jax.tree_util.tree_unflatten(treedef, [flat[path_name(p)] for p, _ in leaves])
+    # (saves before gate_up_block was written held gate and up rows one by one)
+    params = regroup_gate_up(params, meta.get("gate_up_block", 1))
     if dtype is not None and jnp.dtype(dtype) != params.dtype:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
     return params
