@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.ops import xla
-from jaxkv.ops.arrays import Int8KV, PagedKV, logical
+from jaxkv.ops.arrays import Int8KV, PagedKV, dequantize_kv, logical
 from jaxkv.ops.pallas import decode
 from jaxkv.ops.target import platform as target_platform
 from jaxkv.ops.xla import materialized, merge_parts, placed, prefill_chunk  # noqa: F401
@@ -66,13 +66,16 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv
             k_BKSH, v_BKSH = logical(k_BKSH), logical(v_BKSH)
         return xla.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
                              softcap)
-    out_BTNH, lse_BTN = _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, softcap,
-                                       lengths, *split)
-    if own is None:
-        return out_BTNH, lse_BTN
-    own_keys = xla.own_as_cache(k_BKSH.pool if paged else k_BKSH, own)[:3]
-    own_out_BTNH, own_lse_BTN = xla.attention(q_BTNH, *own_keys, scale, softcap=softcap)
-    return merge_parts(out_BTNH, lse_BTN, own_out_BTNH, own_lse_BTN)
+    if own is not None:  # the step's own key and value as the cache will hold them
+        k_BK1H, v_BK1H, seen_B11 = xla.own_as_cache(k_BKSH.pool if paged else k_BKSH, own)[:3]
+        own = (_read(k_BK1H)[:, :, 0], _read(v_BK1H)[:, :, 0], seen_B11[:, 0, 0])
+    return _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, softcap, lengths,
+                          own, *split)
+
+
+def _read(x):
+    """A cache's numbers as the kernels read them: an Int8KV's dequantized."""
+    return dequantize_kv(x) if isinstance(x, Int8KV) else x
 
 
 def _split(S: int):
@@ -112,10 +115,10 @@ def _paged_split(k: PagedKV):
 
 
 def _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softcap, lengths_B,
-                   k_splits: int, block_k: int):
+                   own, k_splits: int, block_k: int):
     """jaxkv's kernels: one query per row over the cache slots mask_BTS allows (below lengths_B,
-    which then replaces the mask, else below kv_len), any cache form and soft-cap: (out [B, 1,
-    N, H], lse [B, 1, N]), float32."""
+    which then replaces the mask, else below kv_len) and own = (k_BKH, v_BKH, seen_B), the
+    step's own key, any cache form and soft-cap: (out [B, 1, N, H], lse [B, 1, N]), float32."""
     B, _, N, H = q_BTNH.shape
     K, S = k_BKSH.shape[1:3]
     if lengths_B is None:
@@ -130,5 +133,5 @@ def _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softc
     out_BKGH, lse_BKG = decode.attention(
         q_BTNH.reshape(B, K, N // K, H), k_BKSH, v_BKSH, scale, bound_B, mask_BS, softcap,
         target=platform, block_k=block_k, k_splits=k_splits, interpret=interpret,
-        table_BM=table_BM)
+        table_BM=table_BM, own=own)
     return out_BKGH.reshape(B, 1, N, H), lse_BKG.reshape(B, 1, N)

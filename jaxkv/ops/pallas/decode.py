@@ -32,39 +32,53 @@ MIN_ROWS = {"gpu": 16, "tpu": 8}  # query rows per program: Triton's products ta
 
 def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softcap=None, *,
               target: str, block_k: int, k_splits: int = 1, interpret: bool = False,
-              table_BM=None):
+              table_BM=None, own=None):
     """Softmax attention of one query per (row, query head) over the cache slots s < bound_B[b]
-    with mask_BS[b, s] (all of them without a mask): (out [B, K, G, H], lse [B, K, G]), float32;
-    a query that reads no slot gets 0 and -inf. Keys and values: [B, K, S, H] float arrays or
-    Int8KV. target: "gpu" (S = k_splits parts of whole blocks of block_k slots) or "tpu" (S
-    whole blocks). table_BM: keys and values are pools of pages [K, NB, block_k, H] (a
-    PagedKV's), row b's slot s in page table_BM[b, s // block_k] (S = M block_k; a page id
-    of NB or more is none: its slots must be past the bound or masked)."""
+    with mask_BS[b, s] (all of them without a mask), and the step's own key where own = (k_BKH,
+    v_BKH, seen_B) (float; seen_B: whether the row reads it): (out [B, K, G, H], lse [B, K, G]),
+    float32; a query that reads nothing gets 0 and -inf. Keys and values: [B, K, S, H] float
+    arrays or Int8KV. target: "gpu" (S = k_splits parts of whole blocks of block_k slots, then
+    one merging program per row and kv head) or "tpu" (S whole blocks; the own key merged by
+    XLA). table_BM: keys and values are pools of pages [K, NB, block_k, H] (a PagedKV's), row
+    b's slot s in page table_BM[b, s // block_k] (S = M block_k; a page id of NB or more is
+    none: its slots must be past the bound or masked)."""
     G = q_BKGH.shape[2]
     rows = max(MIN_ROWS[target], 1 << (G - 1).bit_length())
     quantized = isinstance(k_BKSH, Int8KV)
     # The products' operands share a dtype: the cache's, or q's where int8 numbers are read.
     dtype = q_BKGH.dtype if quantized else k_BKSH.dtype
-    q_BKRH = jnp.pad(q_BKGH.astype(dtype), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
+    q_BKRH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, rows - G), (0, 0)))
     cache = [k_BKSH.q, k_BKSH.scale, v_BKSH.q, v_BKSH.scale] if quantized else [k_BKSH, v_BKSH]
     # (Mosaic TPU cannot take a row of int8 out of its tiles: the mask is int32 there)
     cache += [] if mask_BS is None else [mask_BS.astype(jnp.int8 if target == "gpu" else
                                                         jnp.int32)]
     block = functools.partial(_block, scale=scale, softcap=softcap, quantized=quantized,
-                              masked=mask_BS is not None)
-    run = _on_gpu if target == "gpu" else _on_tpu
-    out_BKRH, lse_BKR = run(block, bound_B.astype(jnp.int32), q_BKRH, cache, block_k=block_k,
-                            k_splits=k_splits, interpret=interpret, table_BM=table_BM)
+                              masked=mask_BS is not None, dtype=dtype)
+    bound_B = bound_B.astype(jnp.int32)
+    if target == "tpu":
+        out_BKRH, lse_BKR = _on_tpu(block, bound_B, q_BKRH.astype(dtype), cache,
+                                    block_k=block_k, interpret=interpret, table_BM=table_BM)
+        if own is not None:  # the kernel's whole as one part: its sum of weights is 1
+            k_BKH, v_BKH, seen_B = own
+            own_BKR = _own_score(q_BKRH, k_BKH, seen_B[:, None, None], scale, softcap)
+            out_BKRH, lse_BKR = _merge(out_BKRH[:, :, None], lse_BKR[:, :, None],
+                                       jnp.ones_like(lse_BKR)[:, :, None], own_BKR, v_BKH)
+    else:
+        parts = _on_gpu(block, bound_B, q_BKRH, cache, block_k=block_k, k_splits=k_splits,
+                        interpret=interpret, table_BM=table_BM)
+        out_BKRH, lse_BKR = _merge_on_gpu(*parts, q_BKRH, own, scale=scale, softcap=softcap,
+                                          interpret=interpret)
     return out_BKRH[:, :, :G], lse_BKR[:, :, :G]
 
 
 def _block(state, q_RH, refs, at, first_slot, bound, *, scale, softcap, quantized, masked,
-           mask_at=None):
+           dtype, mask_at=None):
     """The softmax state (max [R], sum of weights [R], weighted sum of values [R, H]) after the
     block of cache slots `at` (an index of refs: keys, values, their scales; a tuple (page,
     slots) in a pool), whose first slot is first_slot; the mask (refs[-1]) is read at mask_at
-    (default `at`)."""
+    (default `at`); the products' operands are of dtype."""
     max_R, total_R, acc_RH = state
+    q_RH = q_RH.astype(dtype)
     k_ref, k_scale, v_ref, v_scale = refs[:4] if quantized else (refs[0], None, refs[1], None)
     at = at if isinstance(at, tuple) else (at,)
     k_CH = k_ref[(*at, slice(None))].astype(q_RH.dtype)
@@ -165,7 +179,7 @@ def _on_gpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret, tabl
                    jax.ShapeDtypeStruct((B, K, k_splits, rows), jnp.float32)],
         interpret=interpret, name="jaxkv_decode_attention", compiler_params=_triton(),
     )(bound_B, q_BKRH, *([table_BM] if paged else []), *cache)
-    return _merge_parts(out_BKJRH, max_BKJR, total_BKJR)
+    return out_BKJRH, max_BKJR, total_BKJR
 
 
 def _triton():
@@ -176,7 +190,7 @@ def _triton():
     return pltriton.CompilerParams()
 
 
-def _on_tpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret, table_BM=None):
+def _on_tpu(block, bound_B, q_BKRH, cache, *, block_k, interpret, table_BM=None):
     """A grid over (row, kv head, block), blocks in order; a block past the row's bound maps to
     the last one read (so it is not copied in again) and is skipped. With table_BM the blocks
     are pages of pools, the table prefetched beside the bounds and looked up as blocks are
@@ -261,13 +275,60 @@ def _reorder(state):
     return state[2], state[0], state[1]
 
 
-def _merge_parts(out_BKJRH, max_BKJR, total_BKJR):
-    """The parts' unnormalized outputs, maxima and sums of weights -> (out, lse) of the whole."""
-    top_BKR = jnp.max(max_BKJR, axis=2)
-    top_BKR = jnp.where(top_BKR == -jnp.inf, 0.0, top_BKR)
-    w_BKJR = jnp.exp(max_BKJR - top_BKR[:, :, None])
-    total_BKR = jnp.sum(total_BKJR * w_BKJR, axis=2)
-    out_BKRH = jnp.sum(out_BKJRH * w_BKJR[..., None], axis=2)
-    out_BKRH = out_BKRH / jnp.maximum(total_BKR, jnp.finfo(jnp.float32).tiny)[..., None]
-    lse_BKR = jnp.where(total_BKR > 0, top_BKR + jnp.log(total_BKR), -jnp.inf)
-    return out_BKRH, lse_BKR
+def _merge_on_gpu(out_BKJRH, max_BKJR, total_BKJR, q_BKRH, own, *, scale, softcap,
+                  interpret):
+    """The GPU form's parts (and the own key, with own) merged: one program per (row, kv
+    head)."""
+    B, K, J, R, H = out_BKJRH.shape
+
+    def kernel(acc_ref, max_ref, total_ref, *refs):
+        own_R = v_H = None
+        if own is not None:
+            q_ref, k_ref, v_ref, seen_ref, *refs = refs
+            own_R = _own_score(q_ref[...], k_ref[...], seen_ref[()] != 0, scale, softcap)
+            v_H = v_ref[...]
+        out_ref, lse_ref = refs
+        out_ref[...], lse_ref[...] = _merge(acc_ref[...], max_ref[...], total_ref[...], own_R,
+                                            v_H)
+
+    each = lambda *shape: pl.BlockSpec((None, None, *shape),  # noqa: E731
+                                       lambda b, k: (b, k) + (0,) * len(shape))
+    owns = [] if own is None else [q_BKRH, own[0], own[1], own[2].astype(jnp.int32)]
+    own_specs = [] if own is None else [each(R, H), each(H), each(H),
+                                        pl.BlockSpec((None,), lambda b, k: (b,))]
+    return pl.pallas_call(
+        kernel, grid=(B, K),
+        in_specs=[each(J, R, H), each(J, R), each(J, R), *own_specs],
+        out_specs=[each(R, H), each(R)],
+        out_shape=[jax.ShapeDtypeStruct((B, K, R, H), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, R), jnp.float32)],
+        interpret=interpret, name="jaxkv_decode_merge", compiler_params=_triton(),
+    )(out_BKJRH, max_BKJR, total_BKJR, *owns)
+
+
+def _own_score(q_RH, k_H, seen, scale: float, softcap):
+    """The scores [..., R] of the step's own key k [..., H] (-inf where not seen), in float32:
+    elementwise, as the XLA backend scores one key."""
+    scores_R = jnp.sum(q_RH.astype(jnp.float32) * k_H.astype(jnp.float32)[..., None, :],
+                       axis=-1) * scale
+    if softcap is not None:
+        scores_R = softcap * jnp.tanh(scores_R / softcap)
+    return jnp.where(seen, scores_R, -jnp.inf)
+
+
+def _merge(acc_JRH, max_JR, total_JR, own_R=None, v_H=None):
+    """(out [..., R, H], lse [..., R]) of parts' unnormalized outputs, maxima and sums of weights
+    ([..., J, R(, H)]) and, with own_R, one more key of scores own_R and value v_H [..., H]."""
+    top_R = jnp.max(max_JR, axis=-2)
+    if own_R is not None:
+        top_R = jnp.maximum(top_R, own_R)
+    top_R = jnp.where(top_R == -jnp.inf, 0.0, top_R)
+    w_JR = jnp.exp(max_JR - top_R[..., None, :])
+    total_R = jnp.sum(total_JR * w_JR, axis=-2)
+    acc_RH = jnp.sum(acc_JRH * w_JR[..., None], axis=-3)
+    if own_R is not None:
+        w_R = jnp.exp(own_R - top_R)
+        total_R = total_R + w_R
+        acc_RH = acc_RH + w_R[..., None] * v_H.astype(jnp.float32)[..., None, :]
+    out_RH = acc_RH / jnp.maximum(total_R, jnp.finfo(jnp.float32).tiny)[..., None]
+    return out_RH, jnp.where(total_R > 0, top_R + jnp.log(total_R), -jnp.inf)
