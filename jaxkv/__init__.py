@@ -10,6 +10,11 @@ The package in layers, each importing only those below it:
   front/     command line, JSONL jobs, chat, streaming, transcription
 """
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
 from jaxkv.core.cache import KVCache
 from jaxkv.core.checks import OutOfRange, set_value_checks
 from jaxkv.core.config import Config, EncoderConfig
@@ -44,13 +49,33 @@ from jaxkv.decoding import stops  # noqa: E402
 from jaxkv.front import chat, jsonl, transcribe  # noqa: E402
 from jaxkv.training import train  # noqa: E402
 
+SHORT_PATHS = {f"jaxkv.{m.__name__.rpartition('.')[2]}": m.__name__
+               for m in (sharding, stops, chat, jsonl, transcribe, train)}
+SHORT_PATHS["jaxkv.lm_eval"] = "jaxkv.front.lm_eval"  # (imports the harness: only when used)
+
+
+class _ShortPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`import jaxkv.chat`, `from jaxkv.lm_eval import JaxkvLM`: a short path imports the
+    module it names (the same module object), as attribute access does."""
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in SHORT_PATHS else None
+
+    def create_module(self, spec):
+        return importlib.import_module(SHORT_PATHS[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+if not any(isinstance(f, _ShortPaths) for f in sys.meta_path):
+    sys.meta_path.append(_ShortPaths())
+
 
 def __getattr__(name):
-    """jaxkv.lm_eval (the lm-evaluation-harness model) imports the harness: only when used."""
+    """jaxkv.lm_eval, the lm-evaluation-harness model, imported when first used."""
     if name == "lm_eval":
-        import importlib
-
-        return importlib.import_module("jaxkv.front.lm_eval")
+        return importlib.import_module(SHORT_PATHS["jaxkv.lm_eval"])
     raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
 
 

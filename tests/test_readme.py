@@ -95,3 +95,29 @@ def test_readme_section_runs(section, processes):
     returncode = process.wait(timeout=600)
     assert returncode == 0, f"{section!r} failed:\n{err.read_text()[-3000:]}"
     assert PRINTS.get(section, "") in out.read_text().lower()
+
+
+def test_every_dotted_name_in_the_docs_imports_as_written():
+    """Each dotted name README.md and docs/ show (`jaxkv.chat.Chat`, `jaxkv.lm_eval`,
+    `jaxkv.core.decoder.prefill_padded`) is a module that imports by that name, or a name that
+    `from <module> import <name>` gives: short paths (jaxkv.chat) included, not only as
+    attributes of jaxkv."""
+    import importlib
+    import re
+
+    names = set()
+    for file in FILES:
+        with open(os.path.join(ROOT, file)) as f:
+            names |= set(re.findall(r"(?<![\w./-])jaxkv(?:\.[A-Za-z_]\w*)+", f.read()))
+    assert "jaxkv.lm_eval.JaxkvLM" in names and "jaxkv.chat.Chat" in names
+    missing = []
+    for name in sorted(names):
+        parent, _, last = name.rpartition(".")
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            try:
+                getattr(importlib.import_module(parent), last)
+            except (ImportError, AttributeError):
+                missing.append(name)
+    assert not missing, missing
