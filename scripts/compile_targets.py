@@ -29,7 +29,7 @@ from pathlib import Path
 
 from targets import TARGETS, target_devices  # (first: it sets how JAX starts)
 
-from hlo import hlo_computations  # noqa: E402
+from hlo import hbm_bytes, hlo_computations  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -53,6 +53,7 @@ MODELS = {
 PROGRAMS = ("decode_step", "prefill_chunk", "generate", "paged_step", "tree_pass")
 BLOCK_SIZE = 16  # generate_many's pages
 TREE = (1, 4)  # speculative's tree: M chains of D drafted tokens
+LOOPED = ("generate", "paged_step")  # programs whose step is a loop's body
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +150,12 @@ CALLED = re.compile(r"(?:body|condition|to_apply|true_computation|false_computat
                     r"(%[\w.\-]+)|branch_computations=\{([^}]*)\}")
 
 
-def step_counts(text: str, platform: str) -> dict:
+def step_counts(text: str, platform: str, looped: bool = False) -> dict:
     """A step's kernels (instructions that launch work, outside fusions), conditionals, loops,
-    host callbacks, and the host syncs they make on platform, in compiled HLO text. The step is
-    the program, or for a program with loops the body of its largest (a decode loop's step),
-    whose own trip count counts as a sync where XLA does not know it."""
+    host callbacks, the host syncs they make on platform, and the bytes it reads and writes in
+    main memory (hlo.hbm_bytes), in compiled HLO text. The step is the program, or for a looped
+    one (a decode loop) the body of its largest loop, whose own trip count counts as a sync
+    where XLA does not know it."""
     computations = hlo_computations(text)
     entry = next(n for n, c in computations.items() if c.lstrip().startswith("ENTRY"))
     ops_ = {n: _instructions(c) for n, c in computations.items()}
@@ -161,9 +163,10 @@ def step_counts(text: str, platform: str) -> dict:
              if op == "while" for body in re.findall(r"body=(%[\w.\-]+)", line)]
     counts = lambda root: _tally(ops_, _reached(root, ops_))  # noqa: E731
     step, loop = entry, None
-    if loops:
+    if loops and looped:
         loop, step = max(loops, key=lambda lb: counts(lb[1])["kernels"])
     c = counts(step)
+    c["hbm_read"], c["hbm_written"] = hbm_bytes(text, _reached(step, ops_))
     c["loop_sync"] = int(loop is not None and "known_trip_count" not in loop)
     c["host_syncs"] = c["callbacks"] + (
         c["conditionals"] + c["unknown_trip_loops"] + c["loop_sync"] if platform == "gpu"
@@ -226,7 +229,7 @@ def measure(case: Case, name: str, target: str, backend: str) -> dict:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    counts = step_counts(compiled.as_text(), platform)
+    counts = step_counts(compiled.as_text(), platform, looped=name in LOOPED)
     weights = nbytes(params)
     cache = None if name == "generate" else nbytes(getattr(args[1], "cache", args[1]))
     row.update(compiled=True, compile_s=round(seconds, 1), deviceless_gpu_options=fallback,
@@ -234,6 +237,8 @@ def measure(case: Case, name: str, target: str, backend: str) -> dict:
                temp_bytes=memory.temp_size_in_bytes, weights_bytes=weights, cache_bytes=cache,
                **counts, kernels_per_layer=round(counts["kernels"] / MODELS[case.model].n_layers,
                                                  1))
+    if cache is not None:
+        row["hbm_read_over_weights_cache"] = round(counts["hbm_read"] / (weights + cache), 2)
     if platform == "tpu" and cost and cache is not None:
         row["bytes_read"] = int(cost.get("bytes accessed", 0))
         row["read_over_weights_cache"] = round(row["bytes_read"] / (weights + cache), 2)
@@ -243,7 +248,8 @@ def measure(case: Case, name: str, target: str, backend: str) -> dict:
 def table(rows) -> str:
     columns = ["target", "program", "backend", "model", "batch", "context", "weights", "kv",
                "compiled", "compile_s", "kernels", "kernels_per_layer", "host_syncs",
-               "argument_bytes", "temp_bytes", "read_over_weights_cache"]
+               "argument_bytes", "temp_bytes", "hbm_read_over_weights_cache",
+               "read_over_weights_cache"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         cells = [r.get(c, "") if r.get("compiled") or c in columns[:9] else "" for c in columns]

@@ -209,3 +209,45 @@ def test_a_rows_attention_is_bitwise_the_same_alone_and_in_a_batch(pallas_backen
     alone = attend(np.array([3]))
     for x_batch, x_alone in zip(batch, alone):
         np.testing.assert_array_equal(np.asarray(x_batch)[3], np.asarray(x_alone)[0])
+
+
+@pytest.mark.parametrize("form", ["dense", "paged", "capped"])
+def test_bfloat16_caches_take_the_mosaic_gpu_form_where_jax_has_it(form):
+    """A bfloat16 cache with heads of 64 and blocks of 64 slots takes the GPU kernel's Mosaic GPU
+    form on jax 0.11 and newer (Triton's on jax 0.10): rows that read part of a block and
+    several parts, dense or paged (pages out of order), soft-capped or not, and the step's own
+    key (a row that does not read it), as the XLA reference reads them. The kernel rounds the
+    weights to bfloat16 for the values' product (as the Triton form does): within 3e-3."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    B, K, G, H, S = 2, 2, 4, 64, 256
+    keys = jax.random.split(jax.random.key(11), 6)
+    q_BTNH = jax.random.normal(keys[0], (B, 1, K * G, H), jnp.bfloat16)
+    k_BKSH, v_BKSH = (jax.random.normal(k, (B, K, S, H), jnp.bfloat16) for k in keys[1:3])
+    own_k, own_v = (jax.random.normal(k, (B, K, H), jnp.bfloat16) for k in keys[3:5])
+    own_seen_B, bound_B, softcap = jnp.array([True, False]), jnp.array([100, 256]), None
+    k, v, table_BM = k_BKSH, v_BKSH, None
+    if form == "paged":  # row r's page m at perm[r M + m] of a pool
+        M = S // 64
+        perm = jax.random.permutation(keys[5], B * M)
+        pool = lambda x: jnp.zeros((K, B * M, 64, H), x.dtype).at[:, perm].set(  # noqa: E731
+            jnp.moveaxis(x.reshape(B, K, M, 64, H), 1, 0).reshape(K, B * M, 64, H))
+        k, v, table_BM = pool(k_BKSH), pool(v_BKSH), perm.reshape(B, M).astype(jnp.int32)
+    if form == "capped":
+        softcap = 2.0
+
+    def attend(q, k, v, bound, own_k, own_v, seen, table):
+        return decode.attention(q.reshape(B, K, G, H), k, v, 0.125, bound, None, softcap,
+                                target="gpu", block_k=64, k_splits=2, interpret=not on("gpu"),
+                                table_BM=table, own=(own_k, own_v, seen))
+
+    args = (q_BTNH, k, v, bound_B, own_k, own_v, own_seen_B, table_BM)
+    jaxpr = str(jax.make_jaxpr(attend)(*args))
+    assert ("jaxkv_decode_attention_mosaic" in jaxpr) == hasattr(plgpu, "InterpretGPUParams")
+    out_BKGH, lse_BKG = attend(*args)
+    seen_BTS = (jnp.arange(S) < bound_B[:, None])[:, None]
+    own = (own_k[:, :, None], own_v[:, :, None], own_seen_B[:, None, None], None)
+    want, want_lse = xla.attention(q_BTNH, k_BKSH, v_BKSH, seen_BTS, 0.125, own=own,
+                                   softcap=softcap)
+    np.testing.assert_allclose(out_BKGH.reshape(B, 1, K * G, H), want, atol=3e-3, rtol=0)
+    np.testing.assert_allclose(lse_BKG.reshape(B, 1, K * G), want_lse, atol=1e-5, rtol=0)

@@ -43,24 +43,50 @@ FORMS = {  # name: (cache form, options of ops.attention beyond the decode step'
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_each_kernel_form_compiles(target, form):
-    """ops.attention for one decode-step query per row, as the default backend on target takes
-    it: the kernel is in the compiled program (one custom call), with no host sync."""
+    """ops.attention for one decode-step query per row and its own key, as the default backend
+    on target takes it: the kernel is in the compiled program (on a GPU with the kernel merging
+    its parts and the own key), with no host sync."""
     kind, options = FORMS[form]
     device = target_devices(target)[0]
     ring = options.pop("ring", False) if options else False
     args = [_sds((B, 1, K * G, H)), _cache(kind), _cache(kind), _sds((B, 1, S), jnp.bool_),
-            _sds((B,), jnp.int32)]
+            _sds((B,), jnp.int32), _sds((B, K, 1, H)), _sds((B, K, 1, H)),
+            _sds((B, 1, 1), jnp.bool_)]
 
-    def step(q, k, v, mask, lengths):
+    def step(q, k, v, mask, lengths, own_k, own_v, own_mask):
         return ops.attention(q, k, v, mask, 0.125, lengths=None if ring else lengths,
-                             kv_len=jnp.max(lengths), **options)
+                             kv_len=jnp.max(lengths), own=(own_k, own_v, own_mask, None),
+                             **options)
 
     with ops.on(device):
         assert ops.backend_name() == "pallas"
         compiled, *_ = compile_one(step, args, (), device)
     text = compiled.as_text()
     assert KERNEL_CALL[target] in text or "jaxkv_decode_attention" in text
+    assert ("jaxkv_decode_merge" in text) == (target == "h100")
     assert step_counts(text, ops.platform_of(device))["host_syncs"] == 0
+
+
+@pytest.mark.parametrize("form", ["dense", "paged", "softcapped"])
+def test_the_mosaic_gpu_form_compiles_for_an_h100(form):
+    """The decode kernel's Mosaic GPU form (what jax 0.11 and newer take for 16-bit caches with
+    heads and blocks of 64) compiles for an H100 on every jax the suite runs, 0.10 included."""
+    from jaxkv.ops.pallas import mosaic_gpu
+
+    device = target_devices("h100")[0]
+    R, P = mosaic_gpu.ROWS, 64
+    pools = form == "paged"
+    cache = _sds((K, B * S // P, P, H)) if pools else _sds((B, K, S, H))
+    args = [_sds((B,), jnp.int32), _sds((B, K, R, H)), cache, cache,
+            *([_sds((B, S // P), jnp.int32)] if pools else [])]
+
+    def parts(bound, q, k, v, table=None):
+        return mosaic_gpu.parts(bound, q, k, v, scale=0.125, block_k=P, k_splits=2,
+                                softcap=30.0 if form == "softcapped" else None, table_BM=table)
+
+    with ops.on(device):
+        compiled, *_ = compile_one(parts, args, (), device)
+    assert "mosaic_gpu" in compiled.as_text()
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -6,16 +6,20 @@ merging a step's own key needs). A decode step reads float prefixes, and also sl
 rings (any subset of slots, given by a mask), int8 caches (an Int8KV: int8 numbers and one
 scale per token and kv head, read as such) and soft-capped scores (Gemma 2). These kernels take
 all of those: one query per row and query head, its kv head's slots read in blocks up to a
-per-row bound (no block past it is read), masked per slot, an online softmax in float32. Two
-forms of the same block update:
+per-row bound (no block past it is read), masked per slot, an online softmax in float32
+(jaxkv.ops.pallas.softmax). Three forms:
 
-- gpu: Triton's; programs over (row, kv head, part of the sequence), each looping over its
-  part's blocks, the parts merged by log-sum-exp after. (Triton's Pallas backend is deprecated
-  from jax 0.11; a Mosaic GPU form for Hopper is still to write.)
+- gpu, Mosaic GPU's (jaxkv.ops.pallas.mosaic_gpu, Hopper and newer, from jax 0.11): 16-bit
+  float caches, dense or paged, blocks of 64 slots or more, no mask; the parts merged in XLA.
+- gpu, Triton's: everything else, and every GPU step on jax 0.10 (Triton's Pallas backend is
+  deprecated from jax 0.11, and jax 0.10's GPU interpreter cannot check the Mosaic form);
+  programs over (row, kv head, part of the sequence), each looping over its part's blocks, then
+  one program per row and kv head merging the parts and the step's own key.
 - tpu: Mosaic's; a grid over (row, kv head, block), the blocks visited in order with the
   softmax state in VMEM scratch, the bound prefetched so that blocks past it are not copied in.
 
-Both run in Pallas's interpret mode on a CPU (the TPU form under pltpu's TPU interpreter).
+All run in Pallas's interpret mode on a CPU (the TPU form under pltpu's TPU interpreter, the
+Mosaic GPU form under Mosaic GPU's).
 """
 
 import functools
@@ -26,8 +30,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxkv.ops.arrays import Int8KV
+from jaxkv.ops.pallas import mosaic_gpu
+from jaxkv.ops.pallas.softmax import merge, online_softmax, own_score
 
-MIN_ROWS = {"gpu": 16, "tpu": 8}  # query rows per program: Triton's products take >= 16
+# Query rows per program: Triton's products take >= 16, a warpgroup's (Mosaic GPU's) 64.
+MIN_ROWS = {"gpu": 16, "tpu": 8, "mosaic": mosaic_gpu.ROWS}
 
 
 def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softcap=None, *,
@@ -43,32 +50,48 @@ def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softc
     b's slot s in page table_BM[b, s // block_k] (S = M block_k; a page id of NB or more is
     none: its slots must be past the bound or masked)."""
     G = q_BKGH.shape[2]
-    rows = max(MIN_ROWS[target], 1 << (G - 1).bit_length())
     quantized = isinstance(k_BKSH, Int8KV)
+    numbers = k_BKSH.q if quantized else k_BKSH
+    form = ("mosaic" if target == "gpu" and mosaic_gpu.fits(numbers, block_k, mask_BS is not None)
+            else target)
+    rows = max(MIN_ROWS[form], 1 << (G - 1).bit_length())
     # The products' operands share a dtype: the cache's, or q's where int8 numbers are read.
     dtype = q_BKGH.dtype if quantized else k_BKSH.dtype
     q_BKRH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, rows - G), (0, 0)))
+    bound_B = bound_B.astype(jnp.int32)
+    if form == "mosaic":
+        parts = mosaic_gpu.parts(bound_B, q_BKRH, k_BKSH, v_BKSH, scale=scale, softcap=softcap,
+                                 block_k=block_k, k_splits=k_splits, interpret=interpret,
+                                 table_BM=table_BM)
+        out_BKRH, lse_BKR = _merge_own(parts, q_BKRH, own, scale, softcap)
+        return out_BKRH[:, :, :G], lse_BKR[:, :, :G]
     cache = [k_BKSH.q, k_BKSH.scale, v_BKSH.q, v_BKSH.scale] if quantized else [k_BKSH, v_BKSH]
     # (Mosaic TPU cannot take a row of int8 out of its tiles: the mask is int32 there)
     cache += [] if mask_BS is None else [mask_BS.astype(jnp.int8 if target == "gpu" else
                                                         jnp.int32)]
     block = functools.partial(_block, scale=scale, softcap=softcap, quantized=quantized,
                               masked=mask_BS is not None, dtype=dtype)
-    bound_B = bound_B.astype(jnp.int32)
     if target == "tpu":
         out_BKRH, lse_BKR = _on_tpu(block, bound_B, q_BKRH.astype(dtype), cache,
                                     block_k=block_k, interpret=interpret, table_BM=table_BM)
         if own is not None:  # the kernel's whole as one part: its sum of weights is 1
-            k_BKH, v_BKH, seen_B = own
-            own_BKR = _own_score(q_BKRH, k_BKH, seen_B[:, None, None], scale, softcap)
-            out_BKRH, lse_BKR = _merge(out_BKRH[:, :, None], lse_BKR[:, :, None],
-                                       jnp.ones_like(lse_BKR)[:, :, None], own_BKR, v_BKH)
+            out_BKRH, lse_BKR = _merge_own((out_BKRH[:, :, None], lse_BKR[:, :, None],
+                                            jnp.ones_like(lse_BKR)[:, :, None]), q_BKRH, own,
+                                           scale, softcap)
     else:
         parts = _on_gpu(block, bound_B, q_BKRH, cache, block_k=block_k, k_splits=k_splits,
                         interpret=interpret, table_BM=table_BM)
         out_BKRH, lse_BKR = _merge_on_gpu(*parts, q_BKRH, own, scale=scale, softcap=softcap,
                                           interpret=interpret)
     return out_BKRH[:, :, :G], lse_BKR[:, :, :G]
+
+
+def _merge_own(parts, q_BKRH, own, scale: float, softcap):
+    """(out, lse) of parts ([B, K, J, R, H], [B, K, J, R] twice) and own's key, in XLA."""
+    if own is None:
+        return merge(*parts)
+    k_BKH, v_BKH, seen_B = own
+    return merge(*parts, own_score(q_BKRH, k_BKH, seen_B[:, None, None], scale, softcap), v_BKH)
 
 
 def _block(state, q_RH, refs, at, first_slot, bound, *, scale, softcap, quantized, masked,
@@ -91,11 +114,7 @@ def _block(state, q_RH, refs, at, first_slot, bound, *, scale, softcap, quantize
     if masked:
         seen_C = seen_C & (refs[-1][at[-1] if mask_at is None else mask_at] != 0)
     scores_RC = jnp.where(seen_C[None, :], scores_RC, -jnp.inf)
-    new_max_R = jnp.maximum(max_R, scores_RC.max(axis=1))
-    base_R = jnp.where(new_max_R == -jnp.inf, 0.0, new_max_R)
-    weights_RC = jnp.exp(scores_RC - base_R[:, None])
-    old_R = jnp.exp(max_R - base_R)
-    total_R = total_R * old_R + weights_RC.sum(axis=1)
+    new_max_R, total_R, weights_RC, old_R = online_softmax(max_R, total_R, scores_RC)
     if quantized:
         weights_RC = weights_RC * v_scale[at][None, :]
     v_CH = v_ref[(*at, slice(None))].astype(q_RH.dtype)
@@ -285,10 +304,10 @@ def _merge_on_gpu(out_BKJRH, max_BKJR, total_BKJR, q_BKRH, own, *, scale, softca
         own_R = v_H = None
         if own is not None:
             q_ref, k_ref, v_ref, seen_ref, *refs = refs
-            own_R = _own_score(q_ref[...], k_ref[...], seen_ref[()] != 0, scale, softcap)
+            own_R = own_score(q_ref[...], k_ref[...], seen_ref[()] != 0, scale, softcap)
             v_H = v_ref[...]
         out_ref, lse_ref = refs
-        out_ref[...], lse_ref[...] = _merge(acc_ref[...], max_ref[...], total_ref[...], own_R,
+        out_ref[...], lse_ref[...] = merge(acc_ref[...], max_ref[...], total_ref[...], own_R,
                                             v_H)
 
     each = lambda *shape: pl.BlockSpec((None, None, *shape),  # noqa: E731
@@ -304,31 +323,3 @@ def _merge_on_gpu(out_BKJRH, max_BKJR, total_BKJR, q_BKRH, own, *, scale, softca
                    jax.ShapeDtypeStruct((B, K, R), jnp.float32)],
         interpret=interpret, name="jaxkv_decode_merge", compiler_params=_triton(),
     )(out_BKJRH, max_BKJR, total_BKJR, *owns)
-
-
-def _own_score(q_RH, k_H, seen, scale: float, softcap):
-    """The scores [..., R] of the step's own key k [..., H] (-inf where not seen), in float32:
-    elementwise, as the XLA backend scores one key."""
-    scores_R = jnp.sum(q_RH.astype(jnp.float32) * k_H.astype(jnp.float32)[..., None, :],
-                       axis=-1) * scale
-    if softcap is not None:
-        scores_R = softcap * jnp.tanh(scores_R / softcap)
-    return jnp.where(seen, scores_R, -jnp.inf)
-
-
-def _merge(acc_JRH, max_JR, total_JR, own_R=None, v_H=None):
-    """(out [..., R, H], lse [..., R]) of parts' unnormalized outputs, maxima and sums of weights
-    ([..., J, R(, H)]) and, with own_R, one more key of scores own_R and value v_H [..., H]."""
-    top_R = jnp.max(max_JR, axis=-2)
-    if own_R is not None:
-        top_R = jnp.maximum(top_R, own_R)
-    top_R = jnp.where(top_R == -jnp.inf, 0.0, top_R)
-    w_JR = jnp.exp(max_JR - top_R[..., None, :])
-    total_R = jnp.sum(total_JR * w_JR, axis=-2)
-    acc_RH = jnp.sum(acc_JRH * w_JR[..., None], axis=-3)
-    if own_R is not None:
-        w_R = jnp.exp(own_R - top_R)
-        total_R = total_R + w_R
-        acc_RH = acc_RH + w_R[..., None] * v_H.astype(jnp.float32)[..., None, :]
-    out_RH = acc_RH / jnp.maximum(total_R, jnp.finfo(jnp.float32).tiny)[..., None]
-    return out_RH, jnp.where(total_R > 0, top_R + jnp.log(total_R), -jnp.inf)
