@@ -211,13 +211,14 @@ def test_a_rows_attention_is_bitwise_the_same_alone_and_in_a_batch(pallas_backen
         np.testing.assert_array_equal(np.asarray(x_batch)[3], np.asarray(x_alone)[0])
 
 
-@pytest.mark.parametrize("form", ["dense", "paged", "capped"])
+@pytest.mark.parametrize("form", ["dense", "paged", "capped", "ring"])
 def test_bfloat16_caches_take_the_mosaic_gpu_form_where_jax_has_it(form):
     """A bfloat16 cache with heads of 64 and blocks of 64 slots takes the GPU kernel's Mosaic GPU
     form on jax 0.11 and newer (Triton's on jax 0.10): rows that read part of a block and
-    several parts, dense or paged (pages out of order), soft-capped or not, and the step's own
-    key (a row that does not read it), as the XLA reference reads them. The kernel rounds the
-    weights to bfloat16 for the values' product (as the Triton form does): within 3e-3."""
+    several parts, dense or paged (pages out of order), soft-capped or not, masked slots (a
+    ring's), and the step's own key (a row that does not read it), as the XLA reference reads
+    them. The kernel rounds the weights to bfloat16 for the values' product (as the Triton form
+    does): within 3e-3."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     B, K, G, H, S = 2, 2, 4, 64, 256
@@ -235,9 +236,10 @@ def test_bfloat16_caches_take_the_mosaic_gpu_form_where_jax_has_it(form):
         k, v, table_BM = pool(k_BKSH), pool(v_BKSH), perm.reshape(B, M).astype(jnp.int32)
     if form == "capped":
         softcap = 2.0
+    mask_BS = jax.random.bernoulli(keys[5], 0.7, (B, S)) if form == "ring" else None
 
     def attend(q, k, v, bound, own_k, own_v, seen, table):
-        return decode.attention(q.reshape(B, K, G, H), k, v, 0.125, bound, None, softcap,
+        return decode.attention(q.reshape(B, K, G, H), k, v, 0.125, bound, mask_BS, softcap,
                                 target="gpu", block_k=64, k_splits=2, interpret=not on("gpu"),
                                 table_BM=table, own=(own_k, own_v, seen))
 
@@ -245,7 +247,8 @@ def test_bfloat16_caches_take_the_mosaic_gpu_form_where_jax_has_it(form):
     jaxpr = str(jax.make_jaxpr(attend)(*args))
     assert ("jaxkv_decode_attention_mosaic" in jaxpr) == hasattr(plgpu, "InterpretGPUParams")
     out_BKGH, lse_BKG = attend(*args)
-    seen_BTS = (jnp.arange(S) < bound_B[:, None])[:, None]
+    seen_BTS = ((jnp.arange(S) < bound_B[:, None]) & (True if mask_BS is None else mask_BS))[
+        :, None]
     own = (own_k[:, :, None], own_v[:, :, None], own_seen_B[:, None, None], None)
     want, want_lse = xla.attention(q_BTNH, k_BKSH, v_BKSH, seen_BTS, 0.125, own=own,
                                    softcap=softcap)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxkv.ops import xla
 from jaxkv.ops.arrays import Int8KV, PagedKV, dequantize_kv, logical
-from jaxkv.ops.pallas import decode
+from jaxkv.ops.pallas import decode, mosaic_gpu
 from jaxkv.ops.target import platform as target_platform
 from jaxkv.ops.xla import materialized, merge_parts, placed, prefill_chunk  # noqa: F401
 
@@ -58,6 +58,9 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv
     reference (a PagedKV cache as its rows see it)."""
     paged = isinstance(k_BKSH, PagedKV)
     split = _paged_split(k_BKSH) if paged else _split(k_BKSH.shape[2])
+    if split is not None and not paged and target()[0] == "gpu" and mosaic_gpu.takes(k_BKSH):
+        # (the Mosaic GPU form's blocks: 64 slots or more)
+        split = _split(k_BKSH.shape[2], mosaic_gpu.BLOCK) or split
     if split is not None and target()[0] == "tpu":
         split = _tpu_block(k_BKSH, split)
     if (q_BTNH.shape[1] != 1 or bias_BNTS is not None or (own is not None and own[3] is not None)
@@ -78,13 +81,15 @@ def _read(x):
     return dequantize_kv(x) if isinstance(x, Int8KV) else x
 
 
-def _split(S: int):
+def _split(S: int, smallest: int = 16):
     """(k_splits, block_k) for a cache of S slots, as the decode kernel takes them (S split into
-    parts of at least 16 slots, each a whole number of blocks of at least 16), or None."""
+    parts of at least `smallest` slots, each a whole number of blocks of at least `smallest`),
+    or None."""
     for k_splits in (16, 8, 4, 2, 1):
         part = S // k_splits
-        if S % k_splits == 0 and part >= 16:
-            block = next((b for b in (128, 64, 32, 16) if part % b == 0), None)
+        if S % k_splits == 0 and part >= smallest:
+            block = next((b for b in (128, 64, 32, 16) if part % b == 0 and b >= smallest),
+                         None)
             if block is not None:
                 return k_splits, block
     return None

@@ -10,7 +10,8 @@ per-row bound (no block past it is read), masked per slot, an online softmax in 
 (jaxkv.ops.pallas.softmax). Three forms:
 
 - gpu, Mosaic GPU's (jaxkv.ops.pallas.mosaic_gpu, Hopper and newer, from jax 0.11): 16-bit
-  float caches, dense or paged, blocks of 64 slots or more, no mask; the parts merged in XLA.
+  float caches, dense or paged, masked or not, heads and blocks of 64 or more; the parts
+  merged in XLA.
 - gpu, Triton's: everything else, and every GPU step on jax 0.10 (Triton's Pallas backend is
   deprecated from jax 0.11, and jax 0.10's GPU interpreter cannot check the Mosaic form);
   programs over (row, kv head, part of the sequence), each looping over its part's blocks, then
@@ -52,15 +53,16 @@ def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softc
     G = q_BKGH.shape[2]
     quantized = isinstance(k_BKSH, Int8KV)
     numbers = k_BKSH.q if quantized else k_BKSH
-    form = ("mosaic" if target == "gpu" and mosaic_gpu.fits(numbers, block_k, mask_BS is not None)
-            else target)
+    form = "mosaic" if target == "gpu" and mosaic_gpu.fits(numbers, block_k) else target
     rows = max(MIN_ROWS[form], 1 << (G - 1).bit_length())
     # The products' operands share a dtype: the cache's, or q's where int8 numbers are read.
     dtype = q_BKGH.dtype if quantized else k_BKSH.dtype
     q_BKRH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, rows - G), (0, 0)))
     bound_B = bound_B.astype(jnp.int32)
     if form == "mosaic":
-        parts = mosaic_gpu.parts(bound_B, q_BKRH, k_BKSH, v_BKSH, scale=scale, softcap=softcap,
+        mask_BS = None if mask_BS is None else mask_BS.astype(jnp.int32)  # (4-byte loads)
+        parts = mosaic_gpu.parts(bound_B, q_BKRH, k_BKSH, v_BKSH, mask_BS, scale=scale,
+                                 softcap=softcap,
                                  block_k=block_k, k_splits=k_splits, interpret=interpret,
                                  table_BM=table_BM)
         out_BKRH, lse_BKR = _merge_own(parts, q_BKRH, own, scale, softcap)

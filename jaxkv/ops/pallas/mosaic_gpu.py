@@ -6,9 +6,9 @@ One program (a warpgroup) per (row, kv head, part of the sequence): its queries 
 each copied in by the TMA (through the row's page table for a paged cache) and taken by two
 products on the tensor cores: scores, then the weighted values (the weights rounded to the
 cache's dtype, as the Triton form's product takes them). It takes 16-bit float caches, dense or
-paged, with head sizes and blocks of a multiple of 64, soft-capped or not; the Triton form takes
-the rest (masks, int8, float32) and everything on jax 0.10, whose GPU interpreter cannot run
-this form.
+paged, masked or not (a sliding window's ring), with head sizes and blocks of a multiple of 64,
+soft-capped or not; the Triton form takes the rest (int8 and float32 caches, heads or caches
+too small) and everything on jax 0.10, whose GPU interpreter cannot run this form.
 """
 
 import jax
@@ -19,23 +19,29 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkv.ops.pallas.softmax import online_softmax
 
 ROWS = 64  # a warpgroup's product takes 64 rows
+BLOCK = 64  # slots: a block is a product's operand too
 WGMMA = plgpu.Layout.WGMMA
 
 
-def fits(k, block_k: int, masked: bool) -> bool:
-    """Whether this form takes a cache: 16-bit float numbers [..., H], H and block_k multiples
-    of 64, no mask, on a jax whose Pallas has Mosaic GPU's interpreter (0.11 and newer)."""
-    return (not masked and jnp.dtype(k.dtype) in (jnp.bfloat16, jnp.float16)
-            and k.shape[-1] % 64 == 0 and block_k % 64 == 0
+def takes(k) -> bool:
+    """Whether this form takes a cache (read in blocks of BLOCK slots or a multiple): 16-bit
+    float numbers [..., H], H a multiple of 64, on a jax whose Pallas has Mosaic GPU's
+    interpreter (0.11 and newer)."""
+    return (jnp.dtype(k.dtype) in (jnp.bfloat16, jnp.float16) and k.shape[-1] % 64 == 0
             and hasattr(plgpu, "InterpretGPUParams"))
 
 
-def parts(bound_B, q_BKRH, k, v, *, scale: float, softcap, block_k: int, k_splits: int,
-          interpret: bool = False, table_BM=None):
+def fits(k, block_k: int) -> bool:
+    """Whether this form takes a cache read in blocks of block_k slots."""
+    return block_k % BLOCK == 0 and takes(k)
+
+
+def parts(bound_B, q_BKRH, k, v, mask_BS=None, *, scale: float, softcap, block_k: int,
+          k_splits: int, interpret: bool = False, table_BM=None):
     """Each part's unnormalized output, max and sum of weights ([B, K, J, R, H], [B, K, J, R]
     twice, float32) of one query per (row, query head, padded to R = 64) over the slots below
-    bound_B: keys and values [B, K, S, H], or pools of pages [K, NB, block_k, H] read through
-    table_BM [B, M]."""
+    bound_B where mask_BS (int32, S slots) is not 0: keys and values [B, K, S, H], or pools of
+    pages [K, NB, block_k, H] read through table_BM [B, M]."""
     B, K, R, H = q_BKRH.shape
     paged = table_BM is not None
     part = (table_BM.shape[1] * block_k if paged else k.shape[2]) // k_splits
@@ -44,7 +50,10 @@ def parts(bound_B, q_BKRH, k, v, *, scale: float, softcap, block_k: int, k_split
     swizzle = plgpu.find_swizzle(H * bits)
     tiles = (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
+    masked = mask_BS is not None
+
     def jaxkv_decode_attention_mosaic(bound_ref, q_ref, k_ref, v_ref, *refs):
+        mask_ref, refs = (refs[0], refs[1:]) if masked else (None, refs)
         table_ref, (acc_out, max_out, total_out) = (refs[0], refs[1:]) if paged else (None, refs)
         b, kh, j = jax.lax.axis_index("b"), jax.lax.axis_index("k"), jax.lax.axis_index("j")
         start, bound = j * part, bound_ref[b]
@@ -70,7 +79,12 @@ def parts(bound_B, q_BKRH, k, v, *, scale: float, softcap, block_k: int, k_split
                 if softcap is not None:
                     scores_RC = softcap * jnp.tanh(scores_RC / softcap)
                 slot_RC = plgpu.broadcasted_iota(jnp.int32, (R, block_k), 1, layout=WGMMA)
-                scores_RC = jnp.where(start + i * block_k + slot_RC < bound, scores_RC, -jnp.inf)
+                seen_RC = start + i * block_k + slot_RC < bound
+                if masked:
+                    mask_C = plgpu.load(mask_ref.at[b, pl.ds(start + i * block_k, block_k)],
+                                        layout=WGMMA.reduce(0))
+                    seen_RC = seen_RC & jax.lax.broadcast_in_dim(mask_C != 0, seen_RC.shape, [1])
+                scores_RC = jnp.where(seen_RC, scores_RC, -jnp.inf)
                 max_R, total_R, weights_RC, old_R = online_softmax(max_R, total_R, scores_RC)
                 p_smem[...] = weights_RC.astype(dtype)
                 plgpu.commit_smem()
@@ -103,7 +117,8 @@ def parts(bound_B, q_BKRH, k, v, *, scale: float, softcap, block_k: int, k_split
     kernel = plgpu.kernel(jaxkv_decode_attention_mosaic, out_type=[each(R, H), each(R), each(R)],
                           grid=(B, K, k_splits), grid_names=("b", "k", "j"),
                           interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return kernel(bound_B, q_BKRH.astype(dtype), k, v, *([table_BM] if paged else []))
+    return kernel(bound_B, q_BKRH.astype(dtype), k, v, *([mask_BS] if masked else []),
+                  *([table_BM] if paged else []))
 
 
 def _product(a_smem, b_smem, shape):
