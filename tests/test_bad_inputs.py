@@ -375,6 +375,13 @@ def branches(params):
      r"a draft tree of 21 nodes does not fit a cache of 16 positions \(max_len\)"),
     (lambda p: jaxkv.quantize(p, block=True), ValueError,
      "quantize: block must be a positive int or None, got True"),
+    (lambda p: jaxkv.generate_many(p, [[1]], 3, prefix_cache="no"), TypeError,
+     "prefix_cache must be True or False, got 'no'"),
+    (lambda p: jaxkv.generate_many(p, [[1]], 3, progress=1), TypeError,
+     "progress must be True or False, got 1"),
+    (lambda p: jaxkv.stops.cut("abc zz", ["", "zz"]), ValueError,
+     "stop strings must not be empty"),
+    (lambda p: jaxkv.set_value_checks("no"), TypeError, "enabled must be True or False"),
 ])
 def test_api_arguments(params, call, error, match):
     with pytest.raises(error, match=match):

@@ -4,6 +4,7 @@ log-likelihood, generation until stop strings), the harness's metrics and per-do
 from JaxkvLM equal those from the harness's own Hugging Face backend on the same directory."""
 
 import json
+import re
 
 import lm_eval  # the test extra installs it
 import numpy as np
@@ -110,3 +111,27 @@ def test_an_unknown_task_is_named(tiny, monkeypatch):
     with pytest.raises(SystemExit, match="jaxkv: tasks: no_such_task is not a task"):
         cli.main(["eval", "--model", str(model_dir), "--tasks", "no_such_task",
                   "--include-path", str(task_dir)])
+
+
+@pytest.mark.parametrize("options, error, words", [
+    ({"max_length": 0}, ValueError, "JaxkvLM: max_length must be a positive int, got 0"),
+    ({"max_length": "0"}, ValueError, "JaxkvLM: max_length must be a positive int, got 0"),
+    ({"batch_size": "many"}, ValueError, "JaxkvLM: batch_size must be an int, got 'many'"),
+    ({"int8": "no"}, TypeError, "JaxkvLM: int8 must be True or False, got 'no'"),
+])
+def test_bad_model_options_are_errors(tiny, options, error, words):
+    """Options (as Python values or the harness's model_args text) are checked, never taken for
+    a default: max_length=0 is not the model's max_seq_len."""
+    from jaxkv.lm_eval import JaxkvLM
+
+    model_dir, _ = tiny
+    with pytest.raises(error, match=re.escape(words)):
+        JaxkvLM(str(model_dir), **options)
+
+
+def test_model_options_given_as_text_are_read():
+    """The harness passes model_args as text: "2048", "true" are an int and a bool."""
+    from jaxkv.lm_eval import _bool_option, _int_option
+
+    assert _int_option("2048", "max_length") == 2048 and _bool_option("True", "int8") is True
+    assert _bool_option("0", "int8") is False and _bool_option(False, "int8") is False

@@ -160,7 +160,11 @@ JOIN = ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0"]
     (FILES + ["--mesh", "2x2"], "--mesh 2x2 needs 4 devices"),
     (FILES + JOIN[:2], "--coordinator HOST:PORT needs --num-processes and --process-id"),
     (["Hello", *JOIN], "a PROMPT is answered by one process"),
-    (FILES + JOIN + ["--process-timeout", "0"], "timeout_s must be a whole number"),
+    (FILES + JOIN + ["--process-timeout", "0"], "--process-timeout must be at least 1 second"),
+    (FILES + ["--num-processes", "0", "--process-id", "5"], "--num-processes must be at least 1"),
+    (FILES + ["--num-processes", "2", "--process-id", "0"],
+     "join a job only with --coordinator HOST:PORT"),
+    (FILES + JOIN[:4] + ["--process-id", "2"], "--process-id must be in [0, --num-processes)"),
 ])
 def test_bad_process_flags_are_one_line(tmp_path, monkeypatch, flags, words):
     monkeypatch.chdir(tmp_path)

@@ -45,7 +45,7 @@ def set_value_checks(enabled: bool | None) -> None:
     """Turns the compiled value checks on or off on every platform (None: on where programs are
     built for a CPU, off on a GPU or TPU, the default). They are part of the traced program, so
     JAX's caches are cleared: every function traces again with the new setting."""
-    _VALUE_CHECKS["on"] = None if enabled is None else bool(enabled)
+    _VALUE_CHECKS["on"] = None if enabled is None else bool_arg(enabled, "enabled")
     jax.clear_caches()
 
 
@@ -130,6 +130,14 @@ def int_arg(value, name: str, minimum: int = 1) -> int:
     if n < minimum:
         raise ValueError(f"{name} must be {expected}, got {n}")
     return n
+
+
+def bool_arg(value, name: str) -> bool:
+    """value, which must be True or False (numpy's bools too): a string such as "no", a number
+    or None is an error, never taken for its truth."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
 
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")

@@ -186,7 +186,7 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
     the rows at work finish and are yielded, and the error is raised carrying every answer
     finished before it (its attribute `answers`: {prompt index: ids})."""
     schedule = Schedule(params, prompts, max_new_tokens, batch_size, **options)
-    bar = Progress(schedule.count, progress)
+    bar = Progress(schedule.count, checks.bool_arg(progress, "progress"))
     finished, error = {}, None
     while True:
         try:
@@ -258,7 +258,8 @@ class Schedule:
             raise ValueError(f"logprobs must be at most the vocabulary's {c.vocab_size} tokens, "
                              f"got {logprobs}")
         self.paging = blocks_lib.paging_for(c, work, self.budgets, batch_size, self.capacity,
-                                            block_size, cache_tokens, prefix_cache)
+                                            block_size, cache_tokens,
+                                            checks.bool_arg(prefix_cache, "prefix_cache"))
         if self.paging is not None:
             self.capacity = self.paging.per_row * self.paging.pool.size  # whole blocks
             for i, _, ids in work if self.count is not None else ():

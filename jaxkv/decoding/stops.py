@@ -98,6 +98,7 @@ def step(stops: StopStrings, ends_BM, token_B):
 
 
 def cut(text: str, texts) -> str:
-    """text up to the first stop string in it."""
-    ends = [text.find(s) for s in texts if s in text]
+    """text up to the first stop string in it (texts: a string or a list of non-empty
+    strings)."""
+    ends = [text.find(s) for s in texts_of(texts) if s in text]
     return text[: min(ends)] if ends else text

@@ -28,12 +28,31 @@ from lm_eval.models.utils import (
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable, make_table
 
+from jaxkv.core import checks
 from jaxkv.core.sharding import make_mesh
 from jaxkv.decoding.batching import generate_many
 from jaxkv.decoding.likelihood import loglikelihood_many, loglikelihood_rolling
 from jaxkv.formats.load import load
 from jaxkv.formats.tokenizer import load_tokenizer
 from jaxkv.front.processes import mesh_shape
+
+
+def _int_option(value, name: str, minimum: int = 1) -> int:
+    """An option given as an int or as the harness's text ("2048")."""
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"JaxkvLM: {name} must be an int, got {value!r}") from None
+    return checks.int_arg(value, f"JaxkvLM: {name}", minimum)
+
+
+def _bool_option(value, name: str) -> bool:
+    """An option given as a bool or as the harness's text ("true", "False", "1", "0")."""
+    text = {"true": True, "1": True, "false": False, "0": False}
+    if isinstance(value, str) and value.lower() in text:
+        return text[value.lower()]
+    return checks.bool_arg(value, f"JaxkvLM: {name}")
 
 
 @register_model("jaxkv")
@@ -56,15 +75,15 @@ class JaxkvLM(TemplateLM):
         if path is None:
             raise ValueError("JaxkvLM: pass path= (a model jaxkv.load reads)")
         self.mesh = make_mesh(*mesh_shape(mesh)) if isinstance(mesh, str) else mesh
-        self.params = load(path, dtype=dtype, int8=str(int8).lower() in ("true", "1"),
-                           mesh=self.mesh)
+        self.batch_size = _int_option(batch_size, "batch_size")
+        self.max_gen_toks = _int_option(max_gen_toks, "max_gen_toks")
+        self.key = jax.random.key(_int_option(seed, "seed", 0))
+        self.params = load(path, dtype=dtype, int8=_bool_option(int8, "int8"), mesh=self.mesh)
         self.tokenizer = load_tokenizer(path)
         c = self.params.config
-        self.batch_size = int(batch_size)
-        self.max_length = int(max_length or c.max_seq_len)
-        self.max_gen_toks = int(max_gen_toks)
+        self.max_length = (c.max_seq_len if max_length is None else
+                           _int_option(max_length, "max_length"))
         self.kv_dtype = kv_dtype
-        self.key = jax.random.key(int(seed))
         if c.eos_id is None:
             raise ValueError(f"{path}: the model names no eos_id, which the harness needs as its "
                              f"end-of-text token")

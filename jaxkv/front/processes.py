@@ -33,6 +33,7 @@ def join_processes(args):
 
     from jaxkv.core.sharding import make_mesh, start_processes
 
+    _check_process_flags(args)
     if args.coordinator is not None:
         if getattr(args, "prompt", None) is not None:
             raise ValueError("--coordinator: several processes answer an --input file; a PROMPT "
@@ -51,6 +52,24 @@ def join_processes(args):
         raise ValueError(f"--mesh {args.mesh} needs {data * model} devices; the job has "
                          f"{jax.device_count()} ({jax.process_count()} process(es))")
     return make_mesh(data, model)
+
+
+def _check_process_flags(args):
+    """--num-processes >= 1, 0 <= --process-id < it, --process-timeout >= 1, and the first two
+    only with --coordinator (alone they would be ignored)."""
+    n, i = args.num_processes, args.process_id
+    if n is not None and int(n) < 1:
+        raise ValueError(f"--num-processes must be at least 1, got {n}")
+    if i is not None and (int(i) < 0 or (n is not None and int(i) >= int(n))):
+        raise ValueError(f"--process-id must be in [0, --num-processes) = [0, {n}), got {i}"
+                         if n is not None else f"--process-id must be >= 0, got {i}")
+    if args.process_timeout < 1:
+        raise ValueError(f"--process-timeout must be at least 1 second, got "
+                         f"{args.process_timeout}")
+    if args.coordinator is None and (n is not None or i is not None):
+        raise ValueError("--num-processes and --process-id (or JAX_NUM_PROCESSES and "
+                         "JAX_PROCESS_ID) join a job only with --coordinator HOST:PORT (or "
+                         "JAX_COORDINATOR_ADDRESS); give it, or leave them out")
 
 
 def mesh_shape(text: str) -> tuple[int, int]:
