@@ -73,7 +73,8 @@ def hbm_bytes(hlo: str, names) -> tuple[int, int]:
             if root in ("dynamic-update-slice", "scatter"):
                 update = sum(_in_hbm(s) for s in operands if s.split("{")[0] != shape.split("{")[0])
                 read, written = read + update, written + update
-            elif op in ("slice", "dynamic-slice", "slice-start") or " gather(" in body:
+            elif (op in ("slice", "dynamic-slice", "slice-start") or " gather(" in body
+                  or root in ("slice", "dynamic-slice")):
                 arrays = ARRAY.findall(shape)  # a slice-start's: ((operand), slice, context)
                 dtype, dims, _ = arrays[1 if op == "slice-start" else 0]
                 read += _nbytes(f"{dtype}[{dims}]")

@@ -113,8 +113,8 @@ def test_a_tiny_models_programs_compile(target, kv):
 
 
 def test_the_script_writes_its_table(tmp_path):
-    """scripts/compile_targets.py on a tiny model for a v5e: its JSON and table, with the TPU
-    cost model's bytes read against weights + cache."""
+    """scripts/compile_targets.py on a tiny model for a v5e: its JSON and table, with the bytes
+    read in HBM (estimated from the program) and the TPU cost model's against weights + cache."""
     import json
 
     from compile_targets import main
@@ -123,4 +123,6 @@ def test_the_script_writes_its_table(tmp_path):
           "int8", "--kv", "bfloat16", "--programs", "decode_step", "--out", str(tmp_path)])
     (row,) = json.loads((tmp_path / "compile_targets.json").read_text())
     assert row["compiled"] and row["host_syncs"] == 0 and row["read_over_weights_cache"] > 0
+    assert 0 < row["hbm_read"] and 0 < row["hbm_read_over_weights_cache"] < row[
+        "read_over_weights_cache"]  # (the cost model counts on-chip traffic too)
     assert "| v5e | decode_step | default | tiny |" in (tmp_path / "compile_targets.md").read_text()

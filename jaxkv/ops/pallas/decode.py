@@ -64,8 +64,9 @@ def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softc
         parts = mosaic_gpu.parts(bound_B, q_BKRH, k_BKSH, v_BKSH, mask_BS, scale=scale,
                                  softcap=softcap,
                                  block_k=block_k, k_splits=k_splits, interpret=interpret,
-                                 table_BM=table_BM)
-        out_BKRH, lse_BKR = _merge_own(parts, q_BKRH, own, scale, softcap)
+                                 table_BM=table_BM, queries=G)
+        Q = parts[0].shape[3]
+        out_BKRH, lse_BKR = _merge_own(parts, q_BKRH[:, :, :Q], own, scale, softcap)
         return out_BKRH[:, :, :G], lse_BKR[:, :, :G]
     cache = [k_BKSH.q, k_BKSH.scale, v_BKSH.q, v_BKSH.scale] if quantized else [k_BKSH, v_BKSH]
     # (Mosaic TPU cannot take a row of int8 out of its tiles: the mask is int32 there)

@@ -37,12 +37,15 @@ def fits(k, block_k: int) -> bool:
 
 
 def parts(bound_B, q_BKRH, k, v, mask_BS=None, *, scale: float, softcap, block_k: int,
-          k_splits: int, interpret: bool = False, table_BM=None):
+          k_splits: int, interpret: bool = False, table_BM=None, queries: int | None = None):
     """Each part's unnormalized output, max and sum of weights ([B, K, J, R, H], [B, K, J, R]
     twice, float32) of one query per (row, query head, padded to R = 64) over the slots below
     bound_B where mask_BS (int32, S slots) is not 0: keys and values [B, K, S, H], or pools of
-    pages [K, NB, block_k, H] read through table_BM [B, M]."""
+    pages [K, NB, block_k, H] read through table_BM [B, M]. queries: the rows that are queries
+    (the rest padding): only those, rounded up to 4 (a copy out moves 16 bytes or more), are
+    written out, so the parts are [B, K, J, Q, H] and [B, K, J, Q]."""
     B, K, R, H = q_BKRH.shape
+    Q = min(R, -(-(queries or R) // 4) * 4)
     paged = table_BM is not None
     part = (table_BM.shape[1] * block_k if paged else k.shape[2]) // k_splits
     dtype = k.dtype
@@ -101,9 +104,9 @@ def parts(bound_B, q_BKRH, k, v, mask_BS=None, *, scale: float, softcap, block_k
             stats_smem[0] = max_R
             stats_smem[1] = total_R
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, acc_out.at[b, kh, j])
-            plgpu.copy_smem_to_gmem(stats_smem.at[0], max_out.at[b, kh, j])
-            plgpu.copy_smem_to_gmem(stats_smem.at[1], total_out.at[b, kh, j])
+            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, Q)], acc_out.at[b, kh, j])
+            plgpu.copy_smem_to_gmem(stats_smem.at[0, pl.ds(0, Q)], max_out.at[b, kh, j])
+            plgpu.copy_smem_to_gmem(stats_smem.at[1, pl.ds(0, Q)], total_out.at[b, kh, j])
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(scoped, plgpu.SMEM((R, H), dtype, transforms=tiles),
@@ -114,7 +117,8 @@ def parts(bound_B, q_BKRH, k, v, mask_BS=None, *, scale: float, softcap, block_k
                       plgpu.Barrier(num_barriers=3))
 
     each = lambda *shape: jax.ShapeDtypeStruct((B, K, k_splits, *shape), jnp.float32)  # noqa: E731
-    kernel = plgpu.kernel(jaxkv_decode_attention_mosaic, out_type=[each(R, H), each(R), each(R)],
+    kernel = plgpu.kernel(jaxkv_decode_attention_mosaic,
+                          out_type=[each(Q, H), each(Q), each(Q)],
                           grid=(B, K, k_splits), grid_names=("b", "k", "j"),
                           interpret=plgpu.InterpretGPUParams() if interpret else None)
     return kernel(bound_B, q_BKRH.astype(dtype), k, v, *([mask_BS] if masked else []),
