@@ -257,3 +257,16 @@ def test_output_equal_to_input_is_refused_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "load_model", lambda path: pytest.fail("loaded a model"))
     message = refused(["generate", "--input", str(requests), "--output", str(requests)])
     assert "is the input file" in message and requests.read_text() == '{"prompt": "Hi"}\n'
+
+
+@pytest.mark.parametrize("output, words", [
+    ("missing/results.json", "does not exist; create it first"),
+    (".", "is a folder; give a file path"),
+])
+def test_eval_output_is_checked_before_the_evaluation(tmp_path, monkeypatch, output, words):
+    """`jaxkv eval --output` into a folder that does not exist is refused before anything runs
+    (it was found only after the whole evaluation, whose results were lost)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "join_processes", lambda args: pytest.fail("started the work"))
+    message = refused(["eval", "--tasks", "arc_easy", "--output", output])
+    assert words in message, message
