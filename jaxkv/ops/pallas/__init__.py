@@ -1,9 +1,10 @@
 """The Pallas backend: jaxkv's Pallas kernels where one fits, jaxkv.ops.xla elsewhere.
 
 The default on a GPU or TPU (jaxkv.ops.target); JAXKV_OPS=pallas chooses it anywhere. On an
-NVIDIA GPU its kernels compile with Triton, on a TPU with Mosaic; on a CPU they run in Pallas's
-interpret mode, the GPU ones with JAXKV_PALLAS_INTERPRET=1 (or gpu), the TPU ones with =tpu (how
-the suite checks both against the XLA reference), and are refused without it.
+NVIDIA GPU its kernels compile with Mosaic GPU (16-bit caches, jax 0.11 and newer) or Triton, on
+a TPU with Mosaic; on a CPU they run in Pallas's interpret mode, the GPU ones with
+JAXKV_PALLAS_INTERPRET=1 (or gpu), the TPU ones with =tpu (how the suite checks them against the
+XLA reference), and are refused without it.
 
 What takes a kernel today is a decode step's attention (one query per row, no bias) over a
 cache of whole blocks of 16 slots: its cache part (the step's own key is XLA's, the two merged

@@ -45,9 +45,9 @@ def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softc
     with mask_BS[b, s] (all of them without a mask), and the step's own key where own = (k_BKH,
     v_BKH, seen_B) (float; seen_B: whether the row reads it): (out [B, K, G, H], lse [B, K, G]),
     float32; a query that reads nothing gets 0 and -inf. Keys and values: [B, K, S, H] float
-    arrays or Int8KV. target: "gpu" (S = k_splits parts of whole blocks of block_k slots, then
-    one merging program per row and kv head) or "tpu" (S whole blocks; the own key merged by
-    XLA). table_BM: keys and values are pools of pages [K, NB, block_k, H] (a PagedKV's), row
+    arrays or Int8KV. target: "gpu" (S = k_splits parts of whole blocks of block_k slots, the
+    parts and the own key merged after: the module's docstring says by what) or "tpu" (S whole
+    blocks; the own key merged by XLA). table_BM: keys and values are pools of pages [K, NB, block_k, H] (a PagedKV's), row
     b's slot s in page table_BM[b, s // block_k] (S = M block_k; a page id of NB or more is
     none: its slots must be past the bound or masked)."""
     G = q_BKGH.shape[2]
@@ -62,9 +62,8 @@ def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softc
     if form == "mosaic":
         mask_BS = None if mask_BS is None else mask_BS.astype(jnp.int32)  # (4-byte loads)
         parts = mosaic_gpu.parts(bound_B, q_BKRH, k_BKSH, v_BKSH, mask_BS, scale=scale,
-                                 softcap=softcap,
-                                 block_k=block_k, k_splits=k_splits, interpret=interpret,
-                                 table_BM=table_BM, queries=G)
+                                 softcap=softcap, block_k=block_k, k_splits=k_splits,
+                                 interpret=interpret, table_BM=table_BM, queries=G)
         Q = parts[0].shape[3]
         out_BKRH, lse_BKR = _merge_own(parts, q_BKRH[:, :, :Q], own, scale, softcap)
         return out_BKRH[:, :, :G], lse_BKR[:, :, :G]
