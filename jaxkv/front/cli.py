@@ -416,8 +416,8 @@ def add_eval_flags(ev) -> None:
 def run_eval(args) -> None:
     """The harness's table on stdout (and its results as JSON with --output): across processes,
     every one evaluates (the work spread over --mesh), process 0 prints and writes."""
-    if args.output is not None:
-        writable(args.output, "--output")
+    from jaxkv.front.jsonl import writable
+    writable(args.output, "--output")  # before the evaluation: its results are not lost
     try:
         from jaxkv.front import lm_eval as harness
     except ImportError as e:
@@ -428,18 +428,6 @@ def run_eval(args) -> None:
                                limit=args.limit, batch_size=args.batch_size, dtype=args.dtype,
                                seed=args.seed, mesh=join_processes(args))
     harness.report(results, args.output)
-
-
-def writable(path: str, flag: str) -> None:
-    """path can be written once the work is done (checked before it starts: nothing computed
-    is lost to a missing folder): its folder exists and takes files, and it is not a folder."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path} is a folder; give a file path")
-    if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it first")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def main(argv=None) -> None:

@@ -119,6 +119,21 @@ def check_paths(input_path: str, output_path: str):
                          "appended to the requests; write them to another file")
 
 
+def writable(path: str | None, flag: str) -> None:
+    """path (if any) can be written once the work is done (checked before it starts: nothing
+    computed is lost to a missing folder): its folder exists and takes files, and it is not a
+    folder."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder; give a file path")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
+
+
 def _lock(out, output_path: str):
     """Holds output_path for this job alone (released when the job ends, however it ends): a
     second job writing the same answers would answer every id twice."""
