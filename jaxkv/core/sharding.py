@@ -19,13 +19,14 @@ from jaxkv.core.params import gate_up_block, path_name
 
 DATA, MODEL = "data", "model"
 
-# Which axis of each parameter (by leaf name) is split over the model axis, and which size
-# must divide the model axis for the split to keep heads / units whole: fused Q/K/V rows are
-# grouped by kv head, gated gate/up rows by blocks of MLP units (see params.py).
 def _mlp_blocks(c) -> int:
+    """The units w_in's rows come in: blocks of gated gate/up rows, or single rows."""
     return c.d_ff // gate_up_block(c.d_ff) if c.gated_mlp else c.d_ff
 
 
+# Which axis of each parameter (by leaf name) is split over the model axis, and which size
+# must divide the model axis for the split to keep heads / units whole: fused Q/K/V rows are
+# grouped by kv head, gated gate/up rows by blocks of MLP units (see params.py).
 _MODEL_AXIS = {
     "wqkv": (0, "n_kv_heads"), "bqkv": (0, "n_kv_heads"), "wkv": (0, "n_kv_heads"),
     "bkv": (0, "n_kv_heads"), "wq": (0, "n_heads"), "bq": (0, "n_heads"),

@@ -99,7 +99,8 @@ def own_as_cache(k_BKSH, own):
     return (quantize_kv(own[0]), quantize_kv(own[1]), *own[2:])
 
 
-def _softcapped(scores, softcap):
+def softcapped(scores, softcap):
+    """Scores soft-capped (Gemma 2's softcap * tanh(scores / softcap)), or as they are."""
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
@@ -111,7 +112,7 @@ def _attend_dense(q_BTNH, keys, scale, softcap=None):
     q_BTKGH = q_BTNH.astype(jnp.float32).reshape(B, T, K, N // K, H)
     scores = []
     for k_BKSH, _, mask_BTS, bias_BNTS in keys:
-        scores_BKGTS = _softcapped(_key_scores(q_BTKGH, k_BKSH, _scores) * scale, softcap)
+        scores_BKGTS = softcapped(_key_scores(q_BTKGH, k_BKSH, _scores) * scale, softcap)
         if bias_BNTS is not None:
             b, _, t, s = bias_BNTS.shape
             scores_BKGTS = scores_BKGTS + bias_BNTS.reshape(b, K, N // K, t, s)
@@ -208,7 +209,7 @@ def _online_softmax(q_BKGTH, k_BKSH, v_BKSH, mask_BTS, softcap, state):
     """The softmax state (running max [B, K, G, T], sum of weights [B, K, G, T], weighted sum
     of values [B, K, G, T, H], both relative to the max) after one more key set; q is scaled."""
     max_BKGT, total_BKGT, acc_BKGTH = state
-    scores_BKGTS = _softcapped(_key_scores(q_BKGTH, k_BKSH, functools.partial(
+    scores_BKGTS = softcapped(_key_scores(q_BKGTH, k_BKSH, functools.partial(
         jnp.einsum, "BKGTH,BKSH->BKGTS")), softcap)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, -jnp.inf)
     new_max_BKGT = jnp.maximum(max_BKGT, jnp.max(scores_BKGTS, -1))

@@ -54,15 +54,15 @@ def target() -> tuple[str, bool]:
 
 def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None,
               own=None, softcap=None, lengths=None):
-    """jaxkv.ops.attention: a decode step's cache part goes to a kernel (see the module's
-    docstring), its own key to XLA, the two merged by log-sum-exp; the rest to the XLA
-    reference (a PagedKV cache as its rows see it)."""
+    """jaxkv.ops.attention: a decode step (its cache and its own key) goes to a kernel (see the
+    module's docstring); the rest to the XLA reference (a PagedKV cache as its rows see it)."""
     paged = isinstance(k_BKSH, PagedKV)
     split = _paged_split(k_BKSH) if paged else _split(k_BKSH.shape[2])
-    if split is not None and not paged and target()[0] == "gpu" and mosaic_gpu.takes(k_BKSH):
+    platform = None if split is None else target()[0]
+    if platform == "gpu" and not paged and mosaic_gpu.takes(k_BKSH):
         # (the Mosaic GPU form's blocks: 64 slots or more)
         split = _split(k_BKSH.shape[2], mosaic_gpu.BLOCK) or split
-    if split is not None and target()[0] == "tpu":
+    if platform == "tpu":
         split = _tpu_block(k_BKSH, split)
     if (q_BTNH.shape[1] != 1 or bias_BNTS is not None or (own is not None and own[3] is not None)
             or split is None):

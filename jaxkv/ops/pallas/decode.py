@@ -33,6 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxkv.ops.arrays import Int8KV
 from jaxkv.ops.pallas import mosaic_gpu
 from jaxkv.ops.pallas.softmax import merge, online_softmax, own_score
+from jaxkv.ops.xla import softcapped
 
 # Query rows per program: Triton's products take >= 16, a warpgroup's (Mosaic GPU's) 64.
 MIN_ROWS = {"gpu": 16, "tpu": 8, "mosaic": mosaic_gpu.ROWS}
@@ -110,8 +111,7 @@ def _block(state, q_RH, refs, at, first_slot, bound, *, scale, softcap, quantize
     scores_RC = _product(q_RH, k_CH, 1) * scale
     if quantized:
         scores_RC = scores_RC * k_scale[at][None, :]
-    if softcap is not None:
-        scores_RC = softcap * jnp.tanh(scores_RC / softcap)
+    scores_RC = softcapped(scores_RC, softcap)
     seen_C = first_slot + jnp.arange(k_CH.shape[0]) < bound
     if masked:
         seen_C = seen_C & (refs[-1][at[-1] if mask_at is None else mask_at] != 0)

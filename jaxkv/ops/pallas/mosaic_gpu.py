@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkv.ops.pallas.softmax import online_softmax
+from jaxkv.ops.xla import softcapped
 
 ROWS = 64  # a warpgroup's product takes 64 rows
 BLOCK = 64  # slots: a block is a product's operand too
@@ -78,9 +79,8 @@ def parts(bound_B, q_BKRH, k, v, mask_BS=None, *, scale: float, softcap, block_k
                 plgpu.copy_gmem_to_smem(block_of(k_ref, i), k_smem, barriers.at[1])
                 plgpu.copy_gmem_to_smem(block_of(v_ref, i), v_smem, barriers.at[2])
                 plgpu.barrier_wait(barriers.at[1])
-                scores_RC = _product(q_smem, k_smem.transpose((1, 0)), (R, block_k)) * scale
-                if softcap is not None:
-                    scores_RC = softcap * jnp.tanh(scores_RC / softcap)
+                scores_RC = softcapped(
+                    _product(q_smem, k_smem.transpose((1, 0)), (R, block_k)) * scale, softcap)
                 slot_RC = plgpu.broadcasted_iota(jnp.int32, (R, block_k), 1, layout=WGMMA)
                 seen_RC = start + i * block_k + slot_RC < bound
                 if masked:

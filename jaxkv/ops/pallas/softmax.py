@@ -5,6 +5,8 @@ own key, and the merge of parts by their maxima and sums of weights."""
 import jax
 import jax.numpy as jnp
 
+from jaxkv.ops.xla import softcapped
+
 
 def online_softmax(max_R, total_R, scores_RC):
     """One block of an online softmax: (its new max, sum of weights, the block's weights
@@ -21,9 +23,7 @@ def own_score(q_RH, k_H, seen, scale: float, softcap):
     elementwise, as the XLA backend scores one key."""
     scores_R = jnp.sum(q_RH.astype(jnp.float32) * k_H.astype(jnp.float32)[..., None, :],
                        axis=-1) * scale
-    if softcap is not None:
-        scores_R = softcap * jnp.tanh(scores_R / softcap)
-    return jnp.where(seen, scores_R, -jnp.inf)
+    return jnp.where(seen, softcapped(scores_R, softcap), -jnp.inf)
 
 
 def merge(acc_JRH, max_JR, total_JR, own_R=None, v_H=None):
