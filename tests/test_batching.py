@@ -262,6 +262,22 @@ def test_the_prefix_cache_changes_no_answer(llama, monkeypatch, options):
         assert cached == [a.tolist() for a in jaxkv.generate(llama, some, 8)[0]]
 
 
+def test_rows_admitted_together_compute_a_shared_beginning_once(llama, monkeypatch):
+    """Four prompts sharing 40 tokens, admitted into four rows at once: the first row computes
+    the two whole shared blocks, the others wait for them and compute only the rest."""
+    admitted = []
+    admit = batching.admit
+
+    def counting(params, rows, row, tokens_P, length, *args, **kwargs):
+        admitted.append(int(length))
+        return admit(params, rows, row, tokens_P, length, *args, **kwargs)
+    monkeypatch.setattr(batching, "admit", counting)
+    some = shared_prefix_prompts(n=4)
+    cached = jaxkv.generate_many(llama, some, 6, batch_size=4)
+    assert sum(admitted) == len(some[0]) + sum(len(p) - 32 for p in some[1:])
+    assert cached == jaxkv.generate_many(llama, some, 6, batch_size=4, prefix_cache=False)
+
+
 def test_a_batch_holds_what_its_rows_need(llama):
     """One long prompt among short ones: the pool holds the longest rows in flight at once,
     a fraction of batch_size x capacity, and the answers are generate's."""

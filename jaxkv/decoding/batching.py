@@ -369,9 +369,11 @@ class Schedule:
         return any(s is not None and s[2] < len(s[1]) for s in self.serving)
 
     def admit_pieces(self):
-        """One piece of every prompt being admitted."""
+        """One piece of every prompt being admitted (a prompt that reads blocks another row is
+        still computing waits for them)."""
         for b, s in enumerate(self.serving):
-            if s is not None and s[2] < len(s[1]):
+            if s is not None and s[2] < len(s[1]) and (self.paging is None
+                                                       or self.paging.ready(b)):
                 i, ids, start, budget, fresh = s
                 piece = ids[start: start + PIECE]
                 s[2] = start + len(piece)
@@ -383,8 +385,8 @@ class Schedule:
                                   jnp.int32(len(piece)), jnp.int32(start), self.prompt_key(i),
                                   jnp.int32(budget if s[2] == len(ids) else 0),
                                   self.sampling(i), start == fresh, **paged)
-                if self.paging is not None and s[2] == len(ids):
-                    self.paging.remember(b, ids)
+                if self.paging is not None:
+                    self.paging.wrote(b, s[2])
 
     def seen_before(self, ids, start: int):
         """[V] bool: the prompt's tokens before start (read from blocks another prompt

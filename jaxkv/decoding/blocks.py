@@ -4,9 +4,10 @@ and which blocks hold prompt text already computed (the prefix cache).
 A row takes, when its prompt is admitted, every block its prompt and budget can fill, and gives
 them back when it ends: nothing is allocated inside the compiled loops, and a batch costs what
 its rows hold. A prompt's full blocks are remembered by their text from the start (a chain of
-hashes, one per block); a later prompt that begins with the same text reads those blocks and
-computes only the rest. Remembered blocks no row holds are evicted least recently used first
-when the pool runs out.
+hashes, one per block) as soon as a row takes them; a later prompt that begins with the same
+text reads those blocks and computes only the rest, once the row computing them has written
+them (so rows admitted together compute a shared beginning once). Remembered blocks no row
+holds are evicted least recently used first when the pool runs out.
 """
 
 import hashlib
@@ -48,10 +49,13 @@ class BlockPool:
         for b in reused:
             self.idle.pop(b, None)
             self.refs[b] += 1
-        return reused + [self._fresh() for _ in range(fresh)], len(reused) * self.size
+        blocks = reused + [self._fresh() for _ in range(fresh)]
+        self._remember(ids, blocks)
+        return blocks, len(reused) * self.size
 
-    def remember(self, ids, blocks) -> None:
-        """The prompt ids is computed into blocks: its full blocks can serve later prompts."""
+    def _remember(self, ids, blocks) -> None:
+        """The prompt ids goes into blocks: its full blocks can serve later prompts (which wait
+        for them to be written: Paging.ready)."""
         if not self.prefix_cache:
             return
         for j, key in enumerate(self._keys(ids, len(ids) // self.size)):
@@ -115,6 +119,8 @@ class Paging:
         self.max_blocks = rows * self.per_row
         self.can_grow = grow
         self.held: list[list[int] | None] = [None] * rows
+        self.reused = [0] * rows  # how many of the row's first blocks another row computes
+        self.writing: dict[int, tuple[int, int]] = {}  # remembered block -> (row, tokens end)
 
     def table(self, row: int) -> np.ndarray:
         """Row's block table [M]: its blocks, then none (the pool's size)."""
@@ -128,11 +134,22 @@ class Paging:
         got = self.pool.take(ids, tokens)
         if got is None:
             return None
-        self.held[row] = got[0]
-        return got[1]
+        (self.held[row], start), size = got, self.pool.size
+        self.reused[row] = start // size
+        for j in range(self.reused[row], len(ids) // size):
+            if self.held[row][j] in self.pool.key_of:
+                self.writing[self.held[row][j]] = (row, (j + 1) * size)
+        return start
 
-    def remember(self, row: int, ids) -> None:
-        self.pool.remember(ids, self.held[row])
+    def ready(self, row: int) -> bool:
+        """Whether the blocks the row reads from other rows are written."""
+        return not any(b in self.writing for b in self.held[row][:self.reused[row]])
+
+    def wrote(self, row: int, tokens: int) -> None:
+        """The row's prompt is computed up to `tokens`: its blocks that end there are written."""
+        done = [b for b, (r, end) in self.writing.items() if r == row and end <= tokens]
+        for b in done:
+            del self.writing[b]
 
     def give(self, row: int) -> None:
         self.pool.give(self.held[row])
