@@ -1,7 +1,8 @@
 """Past one process: 2 processes joined by JAX's distributed runtime on this machine (CPU
 collectives through gloo) give the answers one process gives alone; each loads only its share
 of a checkpoint; the JSONL command line across processes survives a killed process (the other
-stops within the timeout) and its rerun completes the file, each answer once."""
+stops within the timeout) and its rerun completes the file, each answer once; a process whose
+others never come stops at the timeout with a message saying so."""
 
 import json
 import os
@@ -10,12 +11,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import jax
 import pytest
 
 import jaxkv
+from jaxkv.core.sharding import start_processes
 from jaxkv.front import cli
 from tests.conftest import CONFIGS, char_tokenizer
 
@@ -165,6 +168,7 @@ JOIN = ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0"]
     (FILES + ["--num-processes", "2", "--process-id", "0"],
      "join a job only with --coordinator HOST:PORT"),
     (FILES + JOIN[:4] + ["--process-id", "2"], "--process-id must be in [0, --num-processes)"),
+    (FILES + ["--coordinator", "h", *JOIN[2:]], "--coordinator must be HOST:PORT"),
 ])
 def test_bad_process_flags_are_one_line(tmp_path, monkeypatch, flags, words):
     monkeypatch.chdir(tmp_path)
@@ -172,3 +176,42 @@ def test_bad_process_flags_are_one_line(tmp_path, monkeypatch, flags, words):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", *flags])
     assert words in str(e.value), e.value
+
+
+def test_a_process_whose_others_never_come_stops_at_the_timeout(tmp_path):
+    """Process 0 alone, a worker whose process 0 never comes, and a process 0 whose port is
+    taken: each ends within the timeout (plus its start) with jaxkv's message."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    taken = socket.create_server(("127.0.0.1", 0))
+
+    def alone(port, process_id):
+        return [sys.executable, "-m", "jaxkv", "generate", "--input", str(tmp_path / "in.jsonl"),
+                "--output", str(tmp_path / f"out-{port}.jsonl"), "--coordinator",
+                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id),
+                "--process-timeout", "3"]
+
+    began = time.monotonic()
+    with taken:
+        ends = finish(launch([alone(free_port(), 0), alone(free_port(), 1),
+                              alone(taken.getsockname()[1], 0)]), timeout=120)
+    assert time.monotonic() - began < 3 + 30  # JAX's own wait took over 60 s, then aborted
+    words = ["process 0 waited 3 s at 127.0.0.1:", "process 1 waited 3 s for process 0 at",
+             "process 0 cannot listen on port"]
+    for (code, err), said in zip(ends, words):
+        assert code == 1 and said in err and "Traceback" not in err, err
+
+
+def test_processes_that_disagree_on_the_job_are_refused():
+    coordinator, errors = f"127.0.0.1:{free_port()}", []
+
+    def process_0():
+        with pytest.raises(ValueError) as e:
+            start_processes(coordinator, 2, 0, timeout_s=20)
+        errors.append(str(e.value))
+
+    first = threading.Thread(target=process_0)
+    first.start()
+    with pytest.raises(OSError, match="process 0 at .* ended the job before it started"):
+        start_processes(coordinator, 3, 1, timeout_s=20)  # neither reaches JAX's join
+    first.join()
+    assert errors and "joined by a process 1 of 3 processes" in errors[0], errors

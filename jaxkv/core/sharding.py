@@ -9,6 +9,9 @@ same arguments; `place` builds each array from the share its own devices hold, a
 every process a whole result.
 """
 
+import socket
+import time
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -39,17 +42,138 @@ def start_processes(coordinator: str | None = None, num_processes: int | None = 
                     process_id: int | None = None, *, timeout_s: int = 60):
     """Joins this process to the others of a job (jax.distributed.initialize; call it before
     anything else touches JAX). Arguments as JAX's (None: from the cluster's environment, e.g.
-    SLURM or a TPU pod). On CPUs the processes exchange data through gloo. A process that dies
-    makes every other one exit within about timeout_s seconds with JAX's message naming it
-    ("tasks are unhealthy (stopped sending heartbeats)"), never hang; one that ends on an error
-    waits as long for the others at JAX's shutdown barrier, then all stop."""
+    SLURM or a TPU pod). On CPUs the processes exchange data through gloo.
+
+    Every wait is bounded by timeout_s. Given a coordinator HOST:PORT, the processes first meet
+    over a plain TCP connection to process 0 (which listens on PORT), so that one that never
+    comes is an error of jaxkv's naming who waited for what (JAX's own wait would abort the
+    process from C++); then JAX joins them. A process that dies later makes every other one exit
+    within about timeout_s seconds with JAX's message naming it ("tasks are unhealthy (stopped
+    sending heartbeats)"), never hang; one that ends on an error waits as long for the others
+    at JAX's shutdown barrier, then all stop."""
     if not isinstance(timeout_s, int) or timeout_s < 1:
         raise ValueError(f"timeout_s must be a whole number of seconds >= 1, got {timeout_s!r}")
+    if coordinator is not None:
+        if not (isinstance(num_processes, int) and isinstance(process_id, int)
+                and 0 <= process_id < num_processes):
+            raise ValueError(f"start_processes: a coordinator needs num_processes >= 1 and "
+                             f"process_id in [0, num_processes), got {num_processes!r} and "
+                             f"{process_id!r}")
+        if process_id == 0:
+            _await_processes(coordinator, num_processes, timeout_s)
+        else:
+            _join_process_0(coordinator, num_processes, process_id, timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes, process_id,
                                heartbeat_timeout_seconds=timeout_s,
                                shutdown_timeout_seconds=timeout_s,
-                               initialization_timeout=max(timeout_s, 60))
+                               initialization_timeout=timeout_s)
+
+
+def coordinator_address(text: str, name: str = "coordinator") -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets: [::1]:PORT) as (host, port)."""
+    host, colon, port = str(text).rpartition(":")
+    if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"{name} must be HOST:PORT (process 0's host and a free port, e.g. "
+                         f"10.0.0.1:1234), got {text!r}")
+    return (host[1:-1] if host[0] + host[-1] == "[]" else host), int(port)
+
+
+def _await_processes(coordinator: str, count: int, timeout_s: int):
+    """Process 0: listens on the coordinator's port until the other count - 1 processes have
+    said who they are, then tells each to go on and frees the port for JAX's service."""
+    port, deadline = coordinator_address(coordinator)[1], time.monotonic() + timeout_s
+    dual = socket.has_dualstack_ipv6()
+    try:
+        server = socket.create_server(("", port), family=socket.AF_INET6 if dual else
+                                      socket.AF_INET, dualstack_ipv6=dual)
+    except OSError as e:
+        raise OSError(f"process 0 cannot listen on port {port} of the coordinator {coordinator} "
+                      f"({e.strerror}): is another job using it? choose a free port") from e
+    joined = {}
+    try:
+        with server:
+            while len(joined) < count - 1:
+                _admit(server, joined, coordinator, count, deadline)
+        for i, conn in joined.items():
+            _tell(conn, i, coordinator)
+    except TimeoutError:
+        missing = ", ".join(map(str, sorted(set(range(1, count)) - set(joined))))
+        raise TimeoutError(f"process 0 waited {timeout_s} s at {coordinator} for process(es) "
+                           f"{missing} of {count} to join; check that each was started with "
+                           f"the same coordinator and number of processes and its own process "
+                           f"id, and can reach this host's port, or raise the timeout "
+                           f"(--process-timeout)") from None
+    finally:
+        for conn in joined.values():
+            conn.close()
+
+
+def _admit(server, joined: dict, coordinator: str, count: int, deadline: float):
+    """Process 0: takes the next process's connection and its "jaxkv PROCESS_ID COUNT" line
+    (a connection saying anything else is closed and ignored); TimeoutError at the deadline."""
+    server.settimeout(max(deadline - time.monotonic(), 1e-3))
+    conn, _ = server.accept()
+    conn.settimeout(max(deadline - time.monotonic(), 1e-3))
+    try:
+        words = conn.makefile("rb").readline(100).split()
+    except TimeoutError:
+        conn.close()
+        raise
+    if len(words) != 3 or words[0] != b"jaxkv" or not all(w.isdigit() for w in words[1:]):
+        return conn.close()
+    i, n = int(words[1]), int(words[2])
+    if n != count or i in joined or not 0 < i < count:
+        conn.close()
+        raise ValueError(f"process 0 ({coordinator}, {count} processes) was joined by a "
+                         f"process {i} of {n} processes" + (" twice" if i in joined else "") +
+                         ": give every process the same number of processes and its own "
+                         "process id")
+    joined[i] = conn
+
+
+def _tell(conn, process_id: int, coordinator: str):
+    """Process 0: lets a process that joined go on."""
+    try:
+        conn.sendall(b"go\n")
+    except OSError as e:
+        raise OSError(f"process 0 ({coordinator}): process {process_id} left before the job "
+                      f"started ({e})") from e
+
+
+def _join_process_0(coordinator: str, count: int, process_id: int, timeout_s: int):
+    """A process other than 0: connects to process 0 (retrying until it listens), says who it
+    is, and waits until process 0 has heard from every process."""
+    (host, port), deadline = coordinator_address(coordinator), time.monotonic() + timeout_s
+    waited = f"process {process_id} waited {timeout_s} s for process 0 at {coordinator}"
+    while True:
+        try:
+            conn = socket.create_connection((host, port), max(deadline - time.monotonic(), 1e-3))
+            break
+        except socket.gaierror as e:
+            raise OSError(f"process {process_id}: the coordinator {coordinator}'s host is not "
+                          f"known here ({e.strerror})") from e
+        except OSError:
+            if time.monotonic() + 0.2 > deadline:
+                raise TimeoutError(f"{waited} to listen; check that process 0 is running with "
+                                   f"the same coordinator, that its host and port are "
+                                   f"reachable from here, or raise the timeout "
+                                   f"(--process-timeout)") from None
+            time.sleep(0.2)
+    with conn:
+        try:
+            conn.sendall(f"jaxkv {process_id} {count}\n".encode())
+            conn.settimeout(max(deadline - time.monotonic(), 1e-3))
+            answer = conn.makefile("rb").readline(100)
+        except TimeoutError:
+            raise TimeoutError(f"{waited} to hear from every other process; check that "
+                               f"they were all started, or raise the timeout "
+                               f"(--process-timeout)") from None
+        except OSError:
+            answer = b""
+    if answer != b"go\n":
+        raise OSError(f"process {process_id}: process 0 at {coordinator} ended the job before "
+                      f"it started (see process 0's message)")
 
 
 def make_mesh(data: int, model: int, devices=None) -> Mesh:

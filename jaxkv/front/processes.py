@@ -19,7 +19,8 @@ def add_process_flags(cmd) -> None:
     group.add_argument("--process-id", type=int, default=env("JAX_PROCESS_ID"),
                        help="this one's, from 0 (JAX_PROCESS_ID)")
     group.add_argument("--process-timeout", type=int, default=60, metavar="SECONDS",
-                       help="if a process dies, the others stop after about this long")
+                       help="how long a process waits for the others to join; if one dies, "
+                       "the others stop after about this long")
     group.add_argument("--mesh", metavar="DATAxMODEL",
                        help="devices for rows x devices for the model (default: across processes, "
                        "every device for rows; one process: its default device)")
@@ -55,8 +56,13 @@ def join_processes(args):
 
 
 def _check_process_flags(args):
-    """--num-processes >= 1, 0 <= --process-id < it, --process-timeout >= 1, and the first two
-    only with --coordinator (alone they would be ignored)."""
+    """--coordinator HOST:PORT or 'auto', --num-processes >= 1, 0 <= --process-id < it,
+    --process-timeout >= 1, and the two only with --coordinator (alone they would be
+    ignored)."""
+    from jaxkv.core.sharding import coordinator_address
+
+    if args.coordinator not in (None, "auto"):
+        coordinator_address(args.coordinator, "--coordinator")
     n, i = args.num_processes, args.process_id
     if n is not None and int(n) < 1:
         raise ValueError(f"--num-processes must be at least 1, got {n}")
