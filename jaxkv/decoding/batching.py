@@ -9,8 +9,6 @@ prompt length and every answer length.
 
 import dataclasses
 import functools
-import sys
-import time
 from collections.abc import Iterable, Iterator
 
 import jax
@@ -28,6 +26,7 @@ from jaxkv.core.tracecount import count_trace
 from jaxkv.decoding import blocks as blocks_lib
 from jaxkv.decoding import rows as answers_lib
 from jaxkv.decoding import stops
+from jaxkv.decoding.progress import Progress
 from jaxkv.decoding.prompts import PerPrompt, budget_list, eos_ids, sized
 from jaxkv.decoding.sampling import SamplingParams, base_key, row_keys, sampling_params
 from jaxkv.decoding.stops import StopStrings
@@ -188,19 +187,24 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
     schedule = Schedule(params, prompts, max_new_tokens, batch_size, **options)
     bar = Progress(schedule.count, checks.bool_arg(progress, "progress"))
     finished, error = {}, None
-    while True:
-        try:
-            busy = schedule.fill()
-        except Exception as e:  # the source or its item i: finish the rows at work, then raise
-            error, busy = e, schedule.stop_admitting()
-        if not busy:
-            break
-        schedule.admit_pieces()
-        schedule.decode(STEPS_BETWEEN_PIECES if schedule.admitting() else schedule.N)
-        for i, answer in schedule.harvest():
-            bar.update(len(answer))
-            finished[i] = answer
-            yield i, answer
+    try:
+        while True:
+            try:
+                busy = schedule.fill()
+            except Exception as e:  # the source or its item i: finish the rows, then raise
+                error, busy = e, schedule.stop_admitting()
+            if not busy:
+                break
+            schedule.admit_pieces()
+            schedule.decode(bar.steps(STEPS_BETWEEN_PIECES if schedule.admitting()
+                                      else schedule.N))
+            for i, answer in schedule.harvest():
+                bar.ended(len(answer))
+                finished[i] = answer
+                yield i, answer
+            bar.tick(schedule.drawing)
+    finally:  # also when interrupted: the line's last state, and a newline
+        bar.close()
     if error is not None:
         error.answers = finished  # every answer finished before it, also yielded
         raise error
@@ -418,22 +422,9 @@ class Schedule:
             yield self.serving[b][0], ids
             self.serving[b] = None
 
-
-class Progress:
-    """prompts done, tokens/s and the time left, on stderr (when on)."""
-
-    def __init__(self, total, on: bool):
-        self.total, self.on, self.done, self.tokens = total, on, 0, 0
-        self.start = time.perf_counter()
-
-    def update(self, new_tokens: int):
-        self.done, self.tokens = self.done + 1, self.tokens + new_tokens
-        if not self.on:
-            return
-        elapsed = time.perf_counter() - self.start
-        line = f"\r{self.done}" + (f"/{self.total}" if self.total else "") + " prompts"
-        line += f", {self.tokens / elapsed:.1f} tokens/s"
-        if self.total:
-            line += f", ETA {elapsed / self.done * (self.total - self.done):.0f} s"
-        sys.stderr.write(line + ("\n" if self.done == self.total else ""))
-        sys.stderr.flush()
+    def drawing(self) -> int:
+        """How many tokens the answers being drawn hold (the progress line's count; a fetch,
+        which every process of a mesh must make together)."""
+        t_B = fetch(self.rows.answers.length)
+        return sum(int(t_B[b]) for b, s in enumerate(self.serving)
+                   if s is not None and s[2] == len(s[1]))
