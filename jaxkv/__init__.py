@@ -15,43 +15,43 @@ import importlib.abc
 import importlib.util
 import sys
 
-from jaxkv.core.cache import KVCache
-from jaxkv.core.checks import OutOfRange, set_value_checks
-from jaxkv.core.config import Config, EncoderConfig
-from jaxkv.core.decoder import decode_step, extend, forward, init_cache, prefill
-from jaxkv.core.encoder import encode
-from jaxkv.core.params import Params, cast, init_params
-from jaxkv.core.quant import quantize
-from jaxkv.core.tracecount import TRACE_COUNTS as trace_counts
-from jaxkv.decoding.batching import generate_many, iter_many, iter_tokens
-from jaxkv.decoding.beam import beam_search
-from jaxkv.decoding.generate import generate
-from jaxkv.decoding.likelihood import loglikelihood_many, loglikelihood_rolling
-from jaxkv.decoding.multidecode import (Forest, Prefix, accept, accept_branch, accept_node,
-                                        build_forest, decode_branches, forest_logits,
-                                        forest_pass, generate_branches, make_prefix,
-                                        score_continuations)
-from jaxkv.decoding.sampling import SamplingParams, sample, sampling_params
-from jaxkv.decoding.speculative import speculative_generate
-from jaxkv.decoding.stops import StopStrings, stop_strings
-from jaxkv.formats.audio import load_audio, log_mel
-from jaxkv.formats.load import load
-from jaxkv.formats.locate import default_model, default_whisper
-from jaxkv.formats.saved import save
-from jaxkv.formats.tokenizer import apply_chat_template, chat_template, load_tokenizer
-from jaxkv.front.stream import stream
-from jaxkv.models.maps import CheckpointError
-from jaxkv.ops.arrays import Int8
+# The public names and the module each lives in, imported when first used: `import jaxkv` (and
+# the command line's --help) does not import JAX until a name is asked for.
+PUBLIC = {
+    "jaxkv.core.cache": "KVCache",
+    "jaxkv.core.checks": "OutOfRange set_value_checks",
+    "jaxkv.core.config": "Config EncoderConfig",
+    "jaxkv.core.decoder": "decode_step extend forward init_cache prefill",
+    "jaxkv.core.encoder": "encode",
+    "jaxkv.core.params": "Params cast init_params",
+    "jaxkv.core.quant": "quantize",
+    "jaxkv.decoding.batching": "generate_many iter_many iter_tokens",
+    "jaxkv.decoding.beam": "beam_search",
+    "jaxkv.decoding.generate": "generate",
+    "jaxkv.decoding.likelihood": "loglikelihood_many loglikelihood_rolling",
+    "jaxkv.decoding.multidecode": "Forest Prefix accept accept_branch accept_node build_forest "
+                                  "decode_branches forest_logits forest_pass generate_branches "
+                                  "make_prefix score_continuations",
+    "jaxkv.decoding.sampling": "SamplingParams sample sampling_params",
+    "jaxkv.decoding.speculative": "speculative_generate",
+    "jaxkv.decoding.stops": "StopStrings stop_strings",
+    "jaxkv.formats.audio": "load_audio log_mel",
+    "jaxkv.formats.load": "load",
+    "jaxkv.formats.locate": "default_model default_whisper",
+    "jaxkv.formats.saved": "save",
+    "jaxkv.formats.tokenizer": "apply_chat_template chat_template load_tokenizer",
+    "jaxkv.front.stream": "stream",
+    "jaxkv.models.maps": "CheckpointError",
+    "jaxkv.ops.arrays": "Int8",
+}
+WHERE = {name: module for module, names in PUBLIC.items() for name in names.split()}
+WHERE["trace_counts"] = "jaxkv.core.tracecount"  # its TRACE_COUNTS
 
-# Modules the documentation names by these short paths (jaxkv.stops.cut, jaxkv.train.fit, ...).
-from jaxkv.core import sharding  # noqa: E402,I001
-from jaxkv.decoding import stops  # noqa: E402
-from jaxkv.front import chat, jsonl, transcribe  # noqa: E402
-from jaxkv.training import train  # noqa: E402
-
-SHORT_PATHS = {f"jaxkv.{m.__name__.rpartition('.')[2]}": m.__name__
-               for m in (sharding, stops, chat, jsonl, transcribe, train)}
-SHORT_PATHS["jaxkv.lm_eval"] = "jaxkv.front.lm_eval"  # (imports the harness: only when used)
+# Modules the documentation names by these short paths (jaxkv.stops.cut, jaxkv.train.fit, ...);
+# jaxkv.lm_eval imports the harness, so it is left out of __all__.
+SHORT_PATHS = {f"jaxkv.{m.rpartition('.')[2]}": m for m in (
+    "jaxkv.core.sharding", "jaxkv.decoding.stops", "jaxkv.front.chat", "jaxkv.front.jsonl",
+    "jaxkv.front.transcribe", "jaxkv.training.train", "jaxkv.front.lm_eval")}
 
 
 class _ShortPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -73,22 +73,20 @@ if not any(isinstance(f, _ShortPaths) for f in sys.meta_path):
 
 
 def __getattr__(name):
-    """jaxkv.lm_eval, the lm-evaluation-harness model, imported when first used."""
-    if name == "lm_eval":
-        return importlib.import_module(SHORT_PATHS["jaxkv.lm_eval"])
-    raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
+    """A public name or short-path module, imported when first used (then kept here)."""
+    if name in WHERE:
+        value = getattr(importlib.import_module(WHERE[name]),
+                        "TRACE_COUNTS" if name == "trace_counts" else name)
+    elif f"jaxkv.{name}" in SHORT_PATHS:
+        value = importlib.import_module(SHORT_PATHS[f"jaxkv.{name}"])
+    else:
+        raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
-__all__ = [
-    "CheckpointError", "Config", "EncoderConfig", "Forest", "Int8", "KVCache", "OutOfRange",
-    "Params", "Prefix", "SamplingParams", "StopStrings", "accept", "accept_branch",
-    "accept_node", "apply_chat_template", "beam_search", "build_forest", "cast",
-    "chat_template", "decode_branches", "decode_step", "default_model", "default_whisper",
-    "encode", "extend", "forest_logits", "forest_pass", "forward", "generate",
-    "chat", "generate_branches", "generate_many", "init_cache", "init_params", "iter_many",
-    "iter_tokens", "jsonl", "load", "load_audio", "load_tokenizer", "log_mel",
-    "loglikelihood_many", "loglikelihood_rolling", "make_prefix",
-    "prefill", "quantize", "sample", "sampling_params", "save", "score_continuations",
-    "set_value_checks", "sharding", "speculative_generate", "stop_strings", "stops", "stream",
-    "trace_counts", "train", "transcribe",
-]
+def __dir__():
+    return sorted({*globals(), *__all__})
+
+
+__all__ = sorted([*WHERE, *(p.rpartition(".")[2] for p in SHORT_PATHS if p != "jaxkv.lm_eval")])

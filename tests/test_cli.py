@@ -270,3 +270,54 @@ def test_eval_output_is_checked_before_the_evaluation(tmp_path, monkeypatch, out
     monkeypatch.setattr(cli, "join_processes", lambda args: pytest.fail("started the work"))
     message = refused(["eval", "--tasks", "arc_easy", "--output", output])
     assert words in message, message
+
+
+def subcommands(parser) -> dict:
+    """parser and every parser under it, by prog ("jaxkv", "jaxkv chat", ...)."""
+    found = {parser.prog: parser}
+    for action in parser._actions:
+        if isinstance(action.choices, dict):
+            for sub in action.choices.values():
+                found |= subcommands(sub)
+    return found
+
+
+def test_every_flag_and_argument_has_help():
+    """`jaxkv COMMAND --help` explains each flag; chat offers none that only generate honours."""
+    parsers = subcommands(cli.parser())
+    assert set(parsers) == {"jaxkv", "jaxkv generate", "jaxkv chat", "jaxkv transcribe",
+                            "jaxkv eval"}
+    for prog, command in parsers.items():
+        for action in command._actions:
+            assert action.help, f"{prog}: {action.option_strings or action.dest} has no help"
+    chat = " ".join(parsers["jaxkv chat"].format_help().split())
+    assert "--no-chat" not in chat and "--input" not in chat
+
+
+def test_help_imports_nothing_heavy():
+    """Building the parser and printing --help import no JAX, NumPy or tokenizer, so the
+    answer is immediate."""
+    code = ("import sys\nfrom jaxkv.front import cli\n"
+            "for argv in (['--help'], ['generate', '--help'], ['chat', '--help'], "
+            "['eval', '--help'], ['transcribe', '--help']):\n"
+            "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'jax', 'jaxlib', 'numpy', 'flax', 'tokenizers', 'jinja2', 'lm_eval'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("limit", ["0", "-1", "2.5", "nan", "many"])
+def test_eval_limit_is_refused_at_parsing(limit, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parser().parse_args(["eval", "--tasks", "arc_easy", "--limit", limit])
+    assert exit_info.value.code == 2
+    assert "argument --limit: expected a whole number of documents" in capsys.readouterr().err
+
+
+def test_eval_limit_is_a_count_or_a_fraction():
+    read = [cli.parser().parse_args(["eval", "--tasks", "t", "--limit", text]).limit
+            for text in ("5", "0.25", "1")]
+    assert read == [5, 0.25, 1] and isinstance(read[0], int) and isinstance(read[2], int)
