@@ -321,3 +321,11 @@ def test_eval_limit_is_a_count_or_a_fraction():
     read = [cli.parser().parse_args(["eval", "--tasks", "t", "--limit", text]).limit
             for text in ("5", "0.25", "1")]
     assert read == [5, 0.25, 1] and isinstance(read[0], int) and isinstance(read[2], int)
+
+
+def test_broken_chat_template_is_one_line(tmp_path, tiny_model_dir):
+    path = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    message = refused(["generate", "Hi", "--model", str(path), "--max-new-tokens", "2"])
+    assert message.startswith(f"jaxkv: {path / 'chat_template.jinja'}: the chat template does "
+                              "not parse: ") and "(line 1)" in message

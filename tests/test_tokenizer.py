@@ -159,3 +159,36 @@ def test_toy_spm_gguf_space_prefix(toy_gguf):
 
 def test_toy_spm_gguf_chat_template(toy_gguf):
     assert jaxkv.chat_template(toy_gguf) == TOY_TEMPLATE
+
+
+def test_broken_chat_template_names_its_file(tmp_path):
+    """A template that does not parse is one ValueError naming the file and Jinja's message."""
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: the chat template does not "
+                                         r"parse: .*\(line 1\)"):
+        jaxkv.chat_template(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{% if %}"}')
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: the chat template does not"):
+        jaxkv.chat_template(tmp_path)
+
+
+@pytest.mark.parametrize("messages, error, words", [
+    ("Hi", TypeError, 'messages must be a list of {"role": ..., "content": ...} dicts, got str'),
+    ([{"role": "user"}], ValueError, 'messages[0] must be a dict with "role" (a string) and '
+                                     '"content", got {\'role\': \'user\'}'),
+    ([{"role": "user", "content": "Hi"}, "Hi"], ValueError, "messages[1] must be a dict"),
+])
+def test_apply_chat_template_checks_messages(messages, error, words):
+    with pytest.raises(error) as info:
+        jaxkv.apply_chat_template(TOY_TEMPLATE, messages)
+    assert words in str(info.value)
+
+
+def test_template_failing_as_it_renders_is_a_value_error():
+    with pytest.raises(ValueError, match="the chat template failed: 'nothing' is undefined"):
+        jaxkv.apply_chat_template("{{ nothing.here }}", [{"role": "user", "content": "Hi"}])
+    with pytest.raises(ValueError, match="chat template: no system role"):
+        jaxkv.apply_chat_template("{{ raise_exception('no system role') }}", [])
+    with pytest.raises(TypeError, match="template must be a Jinja chat template"):
+        jaxkv.apply_chat_template(None, [])

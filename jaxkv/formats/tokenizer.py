@@ -147,21 +147,31 @@ def _bos_eos(reader, tokens, add_bos_default: bool):
 
 
 def chat_template(path) -> str | None:
-    """The model's Jinja chat template, or None if it has none."""
-    path = locate.resolve(path)
+    """The model's Jinja chat template, or None if it has none; one that does not parse is a
+    ValueError naming the file it came from."""
+    found = _template_and_source(locate.resolve(path))
+    if found is None:
+        return None
+    compiled_template(*found)
+    return found[0]
+
+
+def _template_and_source(path: str) -> tuple[str, str] | None:
+    """(the chat template, where it was read) of a model path, or None."""
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return gguf_field(gguf_reader(path), "tokenizer.chat_template")
+        template = gguf_field(gguf_reader(path), "tokenizer.chat_template")
+        return None if template is None else (template, f"{path} (tokenizer.chat_template)")
     jinja = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(jinja):
         with open(jinja) as f:
-            return f.read()
+            return f.read(), jinja
     for name, key in ((SAVED_CONFIG, "chat_template"), ("tokenizer_config.json", "chat_template")):
         file = os.path.join(path, name)
         if os.path.isfile(file):
             verify_saved_file(path, name)
             template = read_json(file).get(key)
             if template:
-                return template
+                return template, file
     return None
 
 
@@ -175,14 +185,45 @@ def render_chat(template: str, config, tokenizer, messages: list[dict]) -> str:
 
 def apply_chat_template(template: str, messages: list[dict], add_generation_prompt=True,
                         **special_tokens) -> str:
-    """Renders messages ([{"role": ..., "content": ...}]) with a Jinja chat template."""
+    """Renders messages ([{"role": ..., "content": ...}]) with a Jinja chat template; one that
+    fails (or calls raise_exception) is a ValueError with Jinja's message."""
+    import jinja2
+
+    check_messages(messages)
+    compiled = compiled_template(template)
+    try:
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **special_tokens)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed: {e}") from e
+
+
+def compiled_template(template: str, source: str = "the template given"):
+    """A Jinja chat template, compiled as Hugging Face compiles it (with raise_exception); one
+    that does not parse is a ValueError naming source and Jinja's message."""
     import jinja2
 
     def raise_exception(message):
         raise ValueError(f"chat template: {message}")
 
+    if not isinstance(template, str):
+        raise TypeError(f"template must be a Jinja chat template (a string), got "
+                        f"{type(template).__name__}")
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages,
-                                            add_generation_prompt=add_generation_prompt,
-                                            **special_tokens)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{source}: the chat template does not parse: {e.message} (line "
+                         f"{e.lineno})") from e
+
+
+def check_messages(messages) -> None:
+    """messages must be a list of {"role": str, "content": ...} dicts."""
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f'messages must be a list of {{"role": ..., "content": ...}} dicts, got '
+                        f"{type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f'messages[{i}] must be a dict with "role" (a string) and '
+                             f'"content", got {m!r:.80}')
