@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import jaxkv
-from jaxkv.front import jsonl
+from jaxkv.front import cli, jsonl
 from tests.conftest import char_tokenizer
 
 REQUESTS = [{"prompt": "Hello there"}, {"prompt": "A", "max_new_tokens": 3},
@@ -21,12 +21,13 @@ def write_lines(path, rows):
     return path
 
 
-def run(llama, tmp_path, output, **options):
-    tokenizer = char_tokenizer(llama.config.vocab_size)
-    encode = lambda text: tokenizer.encode(text).ids  # noqa: E731
-    source = write_lines(tmp_path / "in.jsonl", REQUESTS)
-    return jsonl.answer_file(llama, tokenizer, encode, str(source), str(output), 6,
-                             batch_size=2, temperature=0.8, top_k=30, seed=5, **options)
+def run(llama, tmp_path, output, requests=REQUESTS, tokenizer=None, **options):
+    encode = char_tokenizer(llama.config.vocab_size).encode
+    source = write_lines(tmp_path / "in.jsonl", requests)
+    options = dict(batch_size=2, temperature=0.8, top_k=30, seed=5) | options
+    return jsonl.answer_file(llama, tokenizer or char_tokenizer(llama.config.vocab_size),
+                             lambda text: encode(text).ids, str(source), str(output), 6,
+                             **options)
 
 
 def answers(path):
@@ -141,3 +142,113 @@ def test_generator_prompts_keep_their_indices(llama):
     tail = dict(jaxkv.iter_many(llama, prompts[1:], 5, temperature=1.0, key=key, batch_size=2,
                                 indices=[1, 2]))
     assert tail == {0: whole[1], 1: whole[2]}
+
+
+def test_an_interrupted_job_says_how_far_it_got(llama, tmp_path, monkeypatch):
+    """Ctrl-C once two answers are out: they are in the file, the error says how many of how
+    many and how to go on, and the rerun ends with the uninterrupted run's answers."""
+    whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
+    run(llama, tmp_path, whole)
+    real = jsonl.iter_many
+
+    def interrupted(*args, **kwargs):
+        answers = real(*args, **kwargs)
+        yield next(answers)
+        yield next(answers)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jsonl, "iter_many", interrupted)
+    for done in (2, 4):
+        with pytest.raises(KeyboardInterrupt, match=rf"^{done} of 6 prompts answered in "
+                           r"\S*out.jsonl; run the same command again to resume$"):
+            run(llama, tmp_path, out)
+        assert len(answers(out)) == done
+    monkeypatch.undo()
+    assert run(llama, tmp_path, out) == 2 and answers(out) == answers(whole)
+
+
+@pytest.fixture(scope="module")
+def answered(llama, tmp_path_factory):
+    """A complete answers file of run's job (and its folder, holding the requests)."""
+    folder = tmp_path_factory.mktemp("answered")
+    run(llama, folder, folder / "out.jsonl")
+    return folder
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(logprobs=3), "answered with logprobs unset, but this job has logprobs 3"),
+    (dict(temperature=0.5), "answered with temperature 0.8, but this job has temperature 0.5"),
+    (dict(stop=["\n"]), r'answered with stop \[\], but this job has stop \["\\n"\]'),
+    (dict(seed=6), "answered with seed 5, but this job has seed 6"),
+    (dict(about={"model": "/m"}), 'answered with model unset, but this job has model "/m"'),
+])
+def test_a_resume_with_other_options_is_refused(llama, answered, tmp_path, change, words):
+    """A complete file, rerun with --logprobs 3, did nothing: each answer records what it was
+    drawn with, and a job with other options is refused, naming the first that differs."""
+    text = (answered / "out.jsonl").read_text()
+    (tmp_path / "out.jsonl").write_text(text)
+    with pytest.raises(ValueError, match="out.jsonl:1: " + words):
+        run(llama, tmp_path, tmp_path / "out.jsonl", **change)
+    assert (tmp_path / "out.jsonl").read_text() == text
+    assert json.loads(text.splitlines()[0])["options"] == {
+        "max_new_tokens": 6, "stop": [], "seed": 5, "temperature": 0.8, "top_k": 30}
+
+
+def test_answers_of_older_versions_are_taken_as_they_are(llama, answered, tmp_path):
+    """Lines without "options" (written before they were recorded) are resumed, not refused."""
+    lines = [json.loads(line) for line in (answered / "out.jsonl").read_text().splitlines()]
+    old = write_lines(tmp_path / "out.jsonl", [{k: v for k, v in line.items()
+                                                if k != "options"} for line in lines[:4]])
+    assert run(llama, tmp_path, old, logprobs=2) == 2
+
+
+def test_a_prompt_too_long_names_its_file_and_line(llama, tmp_path):
+    """(was `prompts[6]`, generate_many's argument)."""
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(ValueError, match=r"in.jsonl:7: 200 tokens \+ max_new_tokens 6"):
+        run(llama, tmp_path, out, requests=REQUESTS + [{"prompt": "x" * 200}])
+    assert out.read_text() == ""
+
+
+def test_logprob_tokens_are_their_text(llama, tmp_path):
+    """A token's "token" is its text, not its string in the vocabulary (was "\u0120capital")."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"#" + chr(32 + i): i for i in range(96)} | {"<unk>": 96}
+    hashed = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))  # "#a" is the text "a"
+    hashed.decoder = decoders.Sequence([decoders.Strip("#", 1, 0), decoders.Fuse()])
+    run(llama, tmp_path, tmp_path / "out.jsonl", tokenizer=hashed, logprobs=2)
+    for line in answers(tmp_path / "out.jsonl").values():
+        for drawn in line["logprobs"]:
+            for entry in [drawn, *drawn["top"]]:
+                i = entry["id"]
+                assert entry["token"] == (chr(32 + i) if i < 96 else "<unk>")
+
+
+def test_the_command_checks_its_job_before_loading(llama, tmp_path, monkeypatch, capsys):
+    """Before the model loads (which took seconds): a rerun says how many answers it skips,
+    other options than the file's are refused, and a bad request is named."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(tmp_path), "--input", str(source), "--output", str(out),
+            "--max-new-tokens", "6", "--temperature", "0.8", "--compile-cache", "off"]
+    args = cli.parser().parse_args(argv)
+    encode = char_tokenizer(97).encode
+    write_lines(source, REQUESTS[:2])
+    jsonl.answer_file(llama, char_tokenizer(97), lambda text: encode(text).ids, str(source),
+                      str(out), 6, **jsonl.flag_options(args, cli.model_path(args.model, None)))
+    write_lines(source, REQUESTS)
+
+    def load_model(path, mesh=None):
+        raise ValueError("not loaded in this test")
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+    for flags, words in [([], "not loaded in this test"),
+                         (["--logprobs", "3"], "out.jsonl:1: answered with logprobs unset"),
+                         (["--no-chat"], "out.jsonl:1: answered with chat true, but this job "
+                                         "has chat false")]:
+        with pytest.raises(SystemExit, match=words):
+            cli.main(argv + flags)
+    assert f"[2 of 6 already in {out}; answering 4]" in capsys.readouterr().err
+    source.write_text(source.read_text() + "not json\n")
+    with pytest.raises(SystemExit, match="in.jsonl:7: not a JSON object"):
+        cli.main(argv)

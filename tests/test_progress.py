@@ -113,3 +113,25 @@ def test_iter_many_counts_tokens_before_an_answer_ends(llama, capsys, monkeypatc
     assert shown == quiet and err.endswith("\n")
     counts = {line.split(" tokens")[0] for line in err.split("\r") if line.startswith("0/1")}
     assert len(counts) > 1  # several counts before the prompt ended
+
+
+def test_an_interrupted_run_ends_its_line(llama, capsys, monkeypatch):
+    """Ctrl-C while decoding: the line shows where it got, then a newline, so the message
+    after it starts on a line of its own (was: on the progress line)."""
+    from jaxkv.decoding import batching
+
+    monkeypatch.setattr(progress_lib, "REDRAW_S", 0.0)
+    real, calls = batching.Schedule.decode, []
+
+    def decode(schedule, steps):
+        calls.append(steps)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(schedule, steps)
+
+    monkeypatch.setattr(batching.Schedule, "decode", decode)
+    with pytest.raises(KeyboardInterrupt):
+        jaxkv.generate_many(llama, [[1, 2, 3]], 24, progress=True)
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and err.split("\r")[-1].startswith("0/1 prompts, ")
+    assert int(err.split("\r")[-1].split()[2]) > 0  # the tokens drawn before Ctrl-C

@@ -178,7 +178,8 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
     value per prompt (temperature ..., max_new_tokens, indices) apply to that prompt, whichever
     row serves it, and a list of prompts needs exactly one each. logprobs=k: each answer is a
     Scored (ids, each token's log-probability under the model's own distribution, the k
-    likeliest tokens with theirs) instead of its ids.
+    likeliest tokens with theirs) instead of its ids. name_of(i): how errors name prompt i
+    (default: prompts[i]).
 
     Nothing finished is lost: a list of prompts is checked whole before anything is computed;
     an iterable that fails at item i (the item itself, or the source) stops the admissions,
@@ -227,11 +228,11 @@ class Schedule:
                  top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                  eos_id=None, stop=None, tokenizer=None, max_len=None, indices=None,
                  logprobs=None, block_size=16, cache_tokens=None, prefix_cache=True,
-                 mesh=None, limit=None):
+                 mesh=None, limit=None, name_of=None):
         """mesh: rows over its data axis, the model over its model axis (a mesh may span
         processes: every process then runs the same Schedule). limit: how an error names the
         cache's positions (default: max_len, the model's max_seq_len, or the cache's size, as
-        the capacity came)."""
+        the capacity came); name_of(i): how it names prompt i (default: prompts[i])."""
         c = self.config = params.config
         if c.is_encoder_decoder:
             raise ValueError("generate_many: encoder-decoder models are not supported (their "
@@ -244,6 +245,7 @@ class Schedule:
         self.limit = limit or (f"max_len ({self.capacity})" if max_len is not None else
                       f"the model's max_seq_len ({self.capacity})"
                       if self.capacity == c.max_seq_len else f"the cache's {self.capacity}")
+        self.name_of = name_of or (lambda i: f"prompts[{i}]")
         self.sampling = PerPrompt(self.count, temperature=temperature, top_k=top_k, top_p=top_p,
                                   min_p=min_p, repetition_penalty=repetition_penalty)
         self.stop, self.eos_E = stops.tables(c, stop, tokenizer), eos_ids(c, eos_id)
@@ -292,7 +294,7 @@ class Schedule:
                     if self.grow():
                         continue
                     if all(s is None for s in self.serving):  # (fits_pool rules this out)
-                        raise ValueError(f"prompts[{i}] cannot fit the cache's pool")
+                        raise ValueError(f"{self.name_of(i)} cannot fit the cache's pool")
                     self.waiting = (i, None, ids)
                     return True
         return not all(s is None for s in self.serving)
@@ -327,7 +329,7 @@ class Schedule:
     def checked(self, i, ids, name=None):
         """Prompt i's ids, which must fit a row with its budget; its options must exist. name:
         what errors call the prompt (default prompts[i])."""
-        name = name or f"prompts[{i}]"
+        name = name or self.name_of(i)
         if np.size(ids) == 0:
             raise ValueError(f"{name} is empty: every prompt needs a token")
         ids = np.asarray(checks.token_ids(self.config, ids, name, 1), np.int32)
@@ -348,7 +350,7 @@ class Schedule:
         p = self.paging
         need = p.pool.need(len(ids) + self.budgets(i))
         if not p.can_grow and need > p.pool.blocks:
-            raise ValueError(f"{name or f'prompts[{i}]'}: {len(ids)} tokens + max_new_tokens "
+            raise ValueError(f"{name or self.name_of(i)}: {len(ids)} tokens + max_new_tokens "
                              f"{self.budgets(i)} need {need} blocks of {p.pool.size}; "
                              f"cache_tokens holds {p.pool.blocks} ({p.pool.blocks * p.pool.size} "
                              f"tokens)")

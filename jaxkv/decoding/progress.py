@@ -55,8 +55,10 @@ class Progress:
         return min(most, self.most_steps)
 
     def ended(self, tokens: int):
-        """An answer of `tokens` tokens ended."""
+        """An answer of `tokens` tokens ended (those still being drawn, as last counted, less
+        them: at most what the answer held then, so no token counts twice)."""
         self.done, self.ended_tokens = self.done + 1, self.ended_tokens + tokens
+        self.drawing = max(0, self.drawing - tokens)
 
     def tick(self, drawing):
         """Redraws the line when on and REDRAW_S have passed since it last was; drawing() ->
@@ -87,7 +89,7 @@ class Progress:
         newline; nothing when off or when no token came. Once: the line is off after."""
         if not self.on or self.first is None and not self.ended_tokens:
             return
-        self.drawing, self.on = 0, False
+        self.on = False
         now = self.clock()
         t0, n0 = self.first or (now, 0)
         line = self._count()

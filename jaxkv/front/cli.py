@@ -195,10 +195,13 @@ def run_generate(args) -> None:
     if (args.input is None) != (args.output is None):
         raise ValueError("--input and --output go together")
     check_exists(args.input, "--input")
-    if args.input is not None:
-        from jaxkv.front.jsonl import check_paths
+    if args.input is not None:  # the requests, and the answers there already: before loading
+        from jaxkv.front import jsonl
 
-        check_paths(args.input, args.output)
+        options = jsonl.flag_options(args, model_path(args.model, default_model))
+        total, done = jsonl.check_job(args.input, args.output, args.max_new_tokens, **options)
+        if done:
+            status(f"{done} of {total} already in {args.output}; answering {total - done}")
     began = time.perf_counter()
     mesh = join_processes(args)
     path, params, tokenizer, load_s = start(args, mesh)
@@ -246,11 +249,9 @@ def run_file(args, path, params, tokenizer, mesh=None) -> None:
     status(f"answering {args.input} into {args.output}, {args.batch_size} rows at a time; "
            "compiling (or reading the compile cache) before the first answers")
     n = jsonl.answer_file(params, tokenizer, encode, args.input, args.output, args.max_new_tokens,
-                          stop_ids=list(params.config.end_ids), stop=args.stop,
-                          seed=args.seed, batch_size=args.batch_size, progress=True,
-                          logprobs=args.logprobs, prefix_cache=not args.no_prefix_cache,
-                          mesh=mesh,
-                          **{k: v for k, v in sampling_options(args).items() if k != "key"})
+                          stop_ids=list(params.config.end_ids), batch_size=args.batch_size,
+                          progress=sys.stderr.isatty(), prefix_cache=not args.no_prefix_cache,
+                          mesh=mesh, **jsonl.flag_options(args, path))
     status(f"{n} answered, {args.output} complete")
 
 

@@ -6,15 +6,18 @@ reading its own copy of the requests: process 0 alone writes the answers, and te
 which ids its file holds.
 
 Input lines: {"prompt": text, "id": optional (default: the line number, from 1),
-"max_new_tokens": optional}. Output lines: {"id", "completion", "tokens"} (tokens: how many the
-answer drew, a stop token included); with logprobs=k also "logprobs": per token drawn, its
-{"token", "id", "logprob"} and "top": the k likeliest as {"token", "id", "logprob"}.
+"max_new_tokens": optional}. Output lines: {"id", "completion", "tokens", "options"} (tokens:
+how many the answer drew, a stop token included; options: what the answer was drawn with beyond
+its request, which a resumed job must repeat); with logprobs=k also "logprobs": per token drawn,
+its {"token" (its text), "id", "logprob"} and "top": the k likeliest as {"token", "id",
+"logprob"}.
 """
 
 import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -70,46 +73,113 @@ def _request(line: str, where: str) -> dict:
     return request
 
 
-def answered_ids(path: str) -> set[str]:
+# What an answer depends on beyond its request and the job's budget, stops and seed (with its
+# value where not given): each answer records them, and a resumed job must have the same.
+RECORDED = dict(temperature=0.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+                logprobs=None)
+
+
+def record_of(max_new_tokens: int, stop, seed: int, about: dict | None, options: dict) -> dict:
+    """The "options" of each answer: about (the caller's: the model, its dtype ...), the budget,
+    the stops, the seed, then the sampling options and logprobs; those not set left out."""
+    record = dict(about or {}, max_new_tokens=max_new_tokens, stop=stops.texts_of(stop),
+                  seed=seed)
+    record.update((k, options.get(k, default)) for k, default in RECORDED.items())
+    return json.loads(json.dumps({k: v for k, v in record.items() if v is not None}))
+
+
+def answered_ids(path: str, record: dict | None = None, cut: bool = True) -> set[str]:
     """The ids (as JSON text) already answered in an output file. A last line cut short by a
-    kill (no newline, or not JSON) is removed from the file; a bad line before it is an error."""
+    kill (no newline) is no answer: cut=True removes it from the file (its writer holds it). A
+    bad line before it is an error, and so is an answer drawn with other options than record
+    (where given; the answers of older versions record none)."""
     if not os.path.exists(path):
         return set()
     with open(path, "rb") as f:
         data = f.read()
     whole = data[: data.rfind(b"\n") + 1]
-    if len(whole) < len(data):  # a torn last line: the answer is drawn again
+    if cut and len(whole) < len(data):  # a torn last line: the answer is drawn again
         with open(path, "r+b") as f:
             f.truncate(len(whole))
     done = set()
-    for line_no, line in enumerate(whole.decode("utf-8").splitlines(), 1):
+    for line_no, line in enumerate(whole.splitlines(), 1):
         try:
-            done.add(json.dumps(json.loads(line)["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            answer = json.loads(line)
+            done.add(json.dumps(answer["id"]))
+        except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{line_no}: not an answer line of jaxkv ({e}); is it "
                              "the output file of another job?") from e
+        if record is not None and "options" in answer:
+            _same_options(answer["options"], record, f"{path}:{line_no}")
     return done
 
 
+def _same_options(found: dict, record: dict, where: str):
+    """An answer's recorded options are this job's; else the first that differs is named."""
+    shown = lambda v: "unset" if v is None else json.dumps(v)  # noqa: E731
+    for key in dict.fromkeys([*record, *found]):
+        if found.get(key) != record.get(key):
+            raise ValueError(f"{where}: answered with {key} {shown(found.get(key))}, but this "
+                             f"job has {key} {shown(record.get(key))}; resume with the options "
+                             "its answers were drawn with, or write to another output file")
+
+
+def check_job(input_path: str, output_path: str, max_new_tokens: int, *, stop=(),
+              seed: int = 0, about: dict | None = None, **options) -> tuple[int, int]:
+    """What answer_file (given the same arguments) checks before it needs a model: the paths,
+    every request, and the options of the answers output_path holds (the file left as it is).
+    Returns (how many requests, how many of them output_path answers)."""
+    check_paths(input_path, output_path)
+    requests = read_requests(input_path)
+    record = record_of(max_new_tokens, stop, seed, about, options)
+    done = answered_ids(output_path, record, cut=False)
+    return len(requests), sum(json.dumps(r["id"]) in done for r in requests)
+
+
 def answer_file(params, tokenizer, encode, input_path: str, output_path: str,
-                max_new_tokens: int, *, stop_ids=(), stop=(), seed: int = 0, **options) -> int:
+                max_new_tokens: int, *, stop_ids=(), stop=(), seed: int = 0,
+                about: dict | None = None, **options) -> int:
     """Answers every request of input_path not yet in output_path, appending each answer as
     its prompt ends (one whole line, flushed). encode(text) -> ids makes a prompt; options go
     to iter_many (batch_size, sampling, progress). An answer ends at a stop id or a stop
     string; its completion is the text before them. Prompt i of the file draws with
-    fold_in(key(seed), its line number), so a resumed job answers as an uninterrupted one.
-    Returns how many it answered. Across processes (options' mesh spanning them) only process
-    0 opens output_path."""
+    fold_in(key(seed), its line number), so a resumed job answers as an uninterrupted one; its
+    options (about: the caller's own, such as the model) must be those the output's answers
+    record. Returns how many it answered; interrupted (KeyboardInterrupt), it says how many the
+    output holds. Across processes (options' mesh spanning them) only process 0 opens
+    output_path."""
     stop = stops.texts_of(stop)
+    record = record_of(max_new_tokens, stop, seed, about, options)
     check_paths(input_path, output_path)
     requests = read_requests(input_path)
     writer = jax.process_index() == 0
     with open(output_path, "a", encoding="utf-8") if writer else contextlib.nullcontext() as out:
         if writer:
             _lock(out, output_path)
-        pending = _pending(requests, output_path if writer else None, input_path)
-        return _answer(params, tokenizer, encode, pending, input_path, out, max_new_tokens,
-                       stop_ids, stop, seed, options)
+        pending = _pending(requests, output_path if writer else None, input_path, record)
+        written = 0
+        try:
+            for line in _answer_lines(params, tokenizer, encode, pending, input_path,
+                                      max_new_tokens, stop_ids, stop, seed, options):
+                if out is not None:
+                    out.write(json.dumps(dict(line, options=record), ensure_ascii=False) + "\n")
+                    out.flush()
+                written += 1
+        except KeyboardInterrupt:  # every answer ended is in the file: say so, and how to go on
+            done = len(requests) - len(pending) + written
+            raise KeyboardInterrupt(f"{done} of {len(requests)} prompts answered in "
+                                    f"{output_path}; run the same command again to resume") \
+                from None
+    return written
+
+
+def flag_options(args, model: str) -> dict:
+    """check_job's and answer_file's options that change an answer, from the flags of `jaxkv
+    generate` (args); model: the model's path (recorded whole)."""
+    return dict(stop=args.stop, seed=args.seed, logprobs=args.logprobs,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                about=dict(model=os.path.abspath(model), dtype=args.dtype, chat=not args.no_chat))
 
 
 def check_paths(input_path: str, output_path: str):
@@ -156,29 +226,33 @@ def _encoded(encode, request: dict, input_path: str) -> list[int]:
         raise ValueError(f"{input_path}:{request['line']}: {e}") from None
 
 
-def _pending(requests: list[dict], output_path: str | None, input_path: str) -> list[dict]:
-    """The requests whose ids the output (process 0's) does not hold yet. Across processes
-    every one must have read the same requests: else each names the difference."""
+def _pending(requests: list[dict], output_path: str | None, input_path: str,
+             record: dict) -> list[dict]:
+    """The requests whose ids the output (process 0's) does not hold yet, its answers drawn
+    with record's options. Across processes every one must have read the same requests: else
+    each names the difference."""
     if jax.process_count() > 1:
         digest = hashlib.sha256(json.dumps(requests).encode()).digest()
         same_on_every_process(np.frombuffer(digest, np.uint8), f"the requests of {input_path}")
-    done = answered_ids(output_path) if output_path is not None else set()
+    done = answered_ids(output_path, record) if output_path is not None else set()
     done_R = np.array([json.dumps(r["id"]) in done for r in requests], bool)
     if jax.process_count() > 1:
         done_R = from_first_process(done_R)
     return [r for r, d in zip(requests, done_R) if not d]
 
 
-def _answer(params, tokenizer, encode, pending, input_path, out, max_new_tokens, stop_ids,
-            stop, seed, options) -> int:
-    """answer_file's work, its output open (and held) as out (None: another process writes)."""
+def _answer_lines(params, tokenizer, encode, pending, input_path, max_new_tokens, stop_ids,
+                  stop, seed, options) -> Iterator[dict]:
+    """Each pending request's answer line as its prompt ends: {"id", "completion", "tokens"}
+    (and "logprobs" with options' logprobs). An error about a prompt names its file and line."""
     prompts = [_encoded(encode, r, input_path) for r in pending]
-    budgets = [r.get("max_new_tokens", max_new_tokens) for r in pending]
     if not pending:
-        return 0
-    answers = iter_many(params, prompts, budgets, key=jax.random.key(seed),
-                        eos_id=list(stop_ids) or None, stop=stop or None,
-                        tokenizer=tokenizer, indices=[r["line"] for r in pending], **options)
+        return
+    answers = iter_many(params, prompts, [r.get("max_new_tokens", max_new_tokens) for r in pending],
+                        key=jax.random.key(seed), eos_id=list(stop_ids) or None,
+                        stop=stop or None, tokenizer=tokenizer,
+                        indices=[r["line"] for r in pending],
+                        name_of=lambda i: f"{input_path}:{pending[i]['line']}", **options)
     for i, answer in answers:
         ids = answer if isinstance(answer, list) else answer.ids
         text_ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
@@ -186,14 +260,18 @@ def _answer(params, tokenizer, encode, pending, input_path, out, max_new_tokens,
         line = {"id": pending[i]["id"], "completion": text, "tokens": len(ids)}
         if not isinstance(answer, list):
             line["logprobs"] = _logprobs(tokenizer, answer)
-        if out is not None:
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
-            out.flush()
-    return len(pending)
+        yield line
 
 
 def _logprobs(tokenizer, answer) -> list[dict]:
-    """Per token of a Scored answer: its text, id and log-probability, and the k likeliest."""
-    entry = lambda i, p: {"token": tokenizer.id_to_token(i), "id": i, "logprob": p}  # noqa: E731
+    """Per token of a Scored answer: its text (the tokenizer's decoding of it alone), id and
+    log-probability, and the k likeliest."""
+    texts = {}  # id -> text: a token met again is not decoded again
+
+    def entry(i, p):
+        if i not in texts:
+            texts[i] = tokenizer.decode([i], skip_special_tokens=False)
+        return {"token": texts[i], "id": i, "logprob": p}
+
     return [dict(entry(i, p), top=[entry(j, q) for j, q in top])
             for i, p, top in zip(answer.ids, answer.logprobs, answer.top)]
