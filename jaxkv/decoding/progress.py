@@ -93,7 +93,7 @@ class Progress:
         now = self.clock()
         t0, n0 = self.first or (now, 0)
         line = self._count()
-        if now > t0:
+        if now - t0 >= REDRAW_S:  # a rate over less is noise
             line += f" in {now - t0:.1f} s, {(self.tokens - n0) / (now - t0):.1f} tokens/s"
         self._say(line)
 
