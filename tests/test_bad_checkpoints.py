@@ -361,3 +361,61 @@ def test_a_safetensors_name_that_is_a_directory_is_named(hf_models, tmp_path):
     with pytest.raises(CheckpointError, match=r"model-extra\.safetensors: not a file"):
         jaxkv.load(path)
 
+
+
+@pytest.mark.parametrize("earlier", [True, False])
+def test_a_save_that_fails_midway_leaves_the_earlier_one_loadable(gpt2, llama, tmp_path,
+                                                                  monkeypatch, earlier):
+    """The disk fills after the params are written: the earlier save still loads (it was
+    deleted first before), or a new path is left as it was; nothing half-written stays."""
+    from jaxkv.formats import saved
+
+    if earlier:
+        jaxkv.save(gpt2, tmp_path / "model")
+
+    def disk_full(path, names):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(saved, "_write_manifest", disk_full)
+    with pytest.raises(OSError, match="save: could not write .*model: .*No space left.*"
+                       + ("; the earlier save there is as it was" if earlier else "")):
+        jaxkv.save(llama, tmp_path / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["model"] if earlier else [])
+    if earlier:
+        jax.tree.map(np.testing.assert_array_equal, jaxkv.load(tmp_path / "model"), gpt2)
+
+
+SAVE_INTO = """
+import errno, os, sys
+import jax, jaxkv
+from tests.conftest import CONFIGS
+folder = sys.argv[1]
+if os.geteuid() == 0:  # root writes into a 0o500 folder: refuse as a read-only one would
+    mkdir = os.mkdir
+    def refused(path, *args, **kwargs):
+        if os.path.abspath(path).startswith(folder + os.sep):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return mkdir(path, *args, **kwargs)
+    os.mkdir = refused
+try:
+    jaxkv.save(jaxkv.init_params(CONFIGS["gpt2"], jax.random.key(0)), folder)
+except OSError as e:
+    print(e)
+"""
+
+
+def test_a_save_into_a_read_only_folder_is_refused_and_the_process_exits(tmp_path):
+    """Orbax's asynchronous checkpointer left threads waiting: the process never exited."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", SAVE_INTO, str(folder)], cwd=root,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"save: could not write {folder}" in done.stdout, done.stdout
+    assert "Permission denied" in done.stdout, done.stdout

@@ -346,3 +346,17 @@ def test_a_save_with_gate_up_rows_one_by_one_loads_in_todays_blocks(tmp_path):
         str(tmp_path / "old"), "params")])
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  params, jaxkv.load(tmp_path / "old"))
+
+
+@pytest.mark.parametrize("block, dtype", [(None, None), (32, None), (None, "bfloat16")])
+def test_int8_params_save_and_load_as_they_were(tmp_path, llama, block, dtype):
+    """A save of jaxkv.quantize's params loads as those params (int8 numbers and scales,
+    bitwise); loaded in another dtype, the numbers stay int8 and only the scales turn."""
+    params = jaxkv.quantize(llama, block=block)
+    jaxkv.save(params, tmp_path / "int8")
+    loaded = jaxkv.load(tmp_path / "int8", dtype=dtype)
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+    assert isinstance(loaded.blocks[0].wqkv, Int8) and loaded.blocks[0].wqkv.q.dtype == np.int8
+    expected = params if dtype is None else jaxkv.cast(params, dtype)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 expected, loaded)

@@ -1,6 +1,7 @@
 """jaxkv's own format: parameters written bitwise with orbax, the config beside them, and a
 manifest of every file's size and sha256 that loading checks first."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -14,10 +15,12 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jaxkv.core.config import Config
-from jaxkv.core.params import Params, gate_up_block, path_name, regroup_gate_up, skeleton
+from jaxkv.core.params import (Params, cast, gate_up_block, path_name, regroup_gate_up,
+                                skeleton)
 from jaxkv.core.sharding import param_shardings
 from jaxkv.formats.common import build_config, read_json
 from jaxkv.models.maps import CheckpointError
+from jaxkv.ops.arrays import Int8
 
 SAVED_CONFIG = "jaxkv_config.json"
 MANIFEST = "jaxkv_manifest.json"
@@ -32,47 +35,114 @@ def _flat(params):
 
 
 def save(params: Params, path, tokenizer=None, chat_template: str | None = None) -> None:
-    """Writes params (bitwise) with orbax, plus the config; optionally the tokenizer too. Last,
-    MANIFEST: the size and sha256 of every file written, which load checks. path must be new,
-    empty, or an earlier save, which is replaced whole (never mixed with this one: its
-    tokenizer does not stay beside these weights)."""
+    """Writes params (bitwise, int8 matrices as int8) with orbax, plus the config; optionally
+    the tokenizer too. Last, MANIFEST: the size and sha256 of every file written, which load
+    checks. path must be new, empty, or an earlier save, which is replaced whole (never mixed
+    with this one: its tokenizer does not stay beside these weights). An earlier save is
+    replaced only once the new one is whole: it is written beside it (path + '.jaxkv-saving'),
+    then renamed into place, so a save that fails midway (a full disk) leaves it loadable."""
+    if not isinstance(params, Params):
+        raise TypeError(f"save: params must be jaxkv Params (jaxkv.load, jaxkv.init_params), "
+                        f"got {type(params).__name__}")
     path = os.path.abspath(os.fspath(path))
-    _clear(path)
-    os.makedirs(path, exist_ok=True)
+    earlier, made = _check_target(path), not os.path.exists(path)
+    folder = path + ".jaxkv-saving" if earlier else path
+    if earlier and os.path.exists(folder):
+        shutil.rmtree(folder)  # what an interrupted save left
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _write(params, folder, tokenizer, chat_template)
+        if earlier:
+            _swap(folder, path)
+    except (OSError, ValueError) as e:
+        _undo(folder, whole=earlier or made)
+        kept = "; the earlier save there is as it was" if earlier else ""
+        raise OSError(f"save: could not write {path}: {e}{kept}") from e
+
+
+def _write(params: Params, folder: str, tokenizer, chat_template: str | None) -> None:
+    """save's files, in folder. Orbax's synchronous checkpointer: its asynchronous one leaves
+    threads waiting forever (the process never exits) when it cannot create its folder."""
     flat = _flat(params)
     chunks = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), flat)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(path, "params"), flat, save_args=chunks, force=True)
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        ckptr.save(os.path.join(folder, "params"), args=ocp.args.StandardSave(flat, chunks),
+                   force=True)
     meta = {"config": params.config.to_dict(), "dtype": str(params.dtype),
             "chat_template": chat_template,
-            "gate_up_block": gate_up_block(params.config.d_ff)}
-    with open(os.path.join(path, SAVED_CONFIG), "w") as f:
+            "gate_up_block": gate_up_block(params.config.d_ff), "int8": _int8_leaves(params)}
+    with open(os.path.join(folder, SAVED_CONFIG), "w") as f:
         json.dump(meta, f, indent=2)
-    written = [SAVED_CONFIG, *_files_under(path, "params")]
+    written = [SAVED_CONFIG, *_files_under(folder, "params")]
     if tokenizer is not None:
-        tokenizer.save(os.path.join(path, "tokenizer.json"))
+        tokenizer.save(os.path.join(folder, "tokenizer.json"))
         written.append("tokenizer.json")
-    _write_manifest(path, written)
+    _write_manifest(folder, written)
 
 
 SAVED_ENTRIES = ("params", SAVED_CONFIG, MANIFEST, "tokenizer.json")  # what save writes
 
 
-def _clear(path: str):
-    """Makes way for a save at path: an earlier save's entries are removed; a directory that
-    holds anything else is refused."""
+def _check_target(path: str) -> bool:
+    """Whether path holds an earlier save (else it is new or an empty directory); a file, or
+    a directory that holds anything else, is refused."""
     if not os.path.isdir(path):
         if os.path.exists(path):
             raise FileExistsError(f"save: {path} is a file; save into a directory")
-        return
-    others = sorted(set(os.listdir(path)) - set(SAVED_ENTRIES))
+        return False
+    entries = os.listdir(path)
+    others = sorted(set(entries) - set(SAVED_ENTRIES))
     if others:
         raise FileExistsError(f"save: {path} holds other files ({', '.join(others[:3])}"
                               f"{', ...' if len(others) > 3 else ''}); save into a new or empty "
                               "directory, or into an earlier jaxkv.save, which is replaced")
-    for entry in os.listdir(path):
-        full = os.path.join(path, entry)
-        shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
+    return bool(entries)
+
+
+def _swap(new: str, path: str) -> None:
+    """The whole save in new takes path's place: path is renamed away, new renamed in, and
+    only then the earlier save deleted (put back if new cannot be renamed in)."""
+    old = path + ".jaxkv-replaced"
+    if os.path.exists(old):
+        shutil.rmtree(old)  # what an interrupted save left: older than path
+    os.rename(path, old)
+    try:
+        os.rename(new, path)
+    except OSError:
+        os.rename(old, path)
+        raise
+    shutil.rmtree(old)
+
+
+def _undo(folder: str, whole: bool) -> None:
+    """After a failed save: folder removed (whole), or emptied (a directory that was empty);
+    what cannot be removed stays (the save's own error says why)."""
+    entries = [folder] if whole else [os.path.join(folder, e) for e in os.listdir(folder)]
+    for full in entries:
+        if os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+        elif os.path.exists(full):
+            with contextlib.suppress(OSError):
+                os.remove(full)
+
+
+def _int8_leaves(params: Params) -> dict:
+    """{name: [scale shape, scale dtype]} of every Int8 matrix (jaxkv.quantize, GGUF's Q8_0)."""
+    leaves = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, Int8))[0]
+    return {path_name(p): [list(x.scale.shape), str(x.scale.dtype)] for p, x in leaves
+            if isinstance(x, Int8)}
+
+
+def _with_int8(shapes: Params, int8: dict) -> Params:
+    """shapes (ShapeDtypeStruct leaves) with the matrices save found Int8 made Int8."""
+    def one(path, x):
+        if path_name(path) not in int8:
+            return x
+        scale, dtype = int8[path_name(path)]
+        return Int8(jax.ShapeDtypeStruct(x.shape, jnp.int8),
+                    jax.ShapeDtypeStruct(tuple(scale), jnp.dtype(dtype)))
+    return jax.tree_util.tree_map_with_path(one, shapes)
 
 
 def load_saved(path: str, dtype=None, mesh=None) -> Params:
@@ -89,7 +159,7 @@ def load_saved(path: str, dtype=None, mesh=None) -> Params:
     source = os.path.join(path, SAVED_CONFIG)
     meta = read_json(source)
     config = build_config(lambda: Config.from_dict(meta["config"]), source)
-    shapes = skeleton(config, jnp.dtype(meta["dtype"]))
+    shapes = _with_int8(skeleton(config, jnp.dtype(meta["dtype"])), meta.get("int8", {}))
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # not where it was saved
     shardings = param_shardings(shapes, mesh) if mesh is not None else jax.tree.map(
         lambda _: here, shapes)
@@ -101,7 +171,7 @@ def load_saved(path: str, dtype=None, mesh=None) -> Params:
     # (saves before gate_up_block was written held gate and up rows one by one)
     params = regroup_gate_up(params, meta.get("gate_up_block", 1))
     if dtype is not None and jnp.dtype(dtype) != params.dtype:
-        params = jax.tree.map(lambda x: x.astype(dtype), params)
+        params = cast(params, dtype)
     return params
 
 
