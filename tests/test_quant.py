@@ -125,6 +125,12 @@ def test_quantize_names_the_kinds_it_knows():
         jaxkv.quantize(params, block=48)
 
 
+def test_quantize_says_what_it_takes():
+    with pytest.raises(TypeError, match=r"quantize: params must be jaxkv Params \(jaxkv.load, "
+                                        r"jaxkv.init_params\), got dict"):
+        jaxkv.quantize({"embed": np.ones((4, 4), np.float32)})
+
+
 def test_float_copies_sees_stored_copies_and_not_fused_values():
     """The check itself: stored [O, NB, 32] and [I, O] float arrays of an int8 matrix are
     found, in the computation that stores them; a fusion's own values are not."""

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import ops
+from jaxkv.core.params import Params
 from jaxkv.ops.arrays import Int8
 
 MATRICES = ("embed", "lm_head", "blocks.wqkv", "blocks.wo", "blocks.w_in", "blocks.w_out")
@@ -43,6 +44,9 @@ def quantize(params, kind: str = "int8", block: int | None = None):
 
     block: inputs per scale; None (one scale per row, the faster product) or e.g. 32 (GGUF
     Q8_0's layout: closer to the float weights)."""
+    if not isinstance(params, Params):
+        raise TypeError(f"quantize: params must be jaxkv Params (jaxkv.load, jaxkv.init_params), "
+                        f"got {type(params).__name__}")
     if kind != "int8":
         raise ValueError(f"quantize: kind must be 'int8', got {kind!r}")
     if block is not None and not (isinstance(block, int) and not isinstance(block, bool)
