@@ -86,6 +86,16 @@ def test_truncated_orbax_file_is_named(saved):
         jaxkv.load(saved)
 
 
+def test_truncated_orbax_file_of_a_save_without_manifest_names_the_leaf(saved):
+    """Without the manifest, tensorstore's byte-range error named no file."""
+    os.remove(saved / MANIFEST)
+    truncate(largest_orbax_file(saved), 100)
+    with pytest.warns(UserWarning, match="unverified"), pytest.raises(
+            CheckpointError, match=f"{saved / 'params'}: leaf [a-z_.0-9]+ cannot be read: the "
+                                   "save looks truncated or corrupt"):
+        jaxkv.load(saved)
+
+
 @pytest.mark.parametrize("name", ["params/_METADATA", SAVED_CONFIG])
 def test_deleted_file_is_named(saved, name):
     os.remove(saved / name)
@@ -419,3 +429,16 @@ def test_a_save_into_a_read_only_folder_is_refused_and_the_process_exits(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"save: could not write {folder}" in done.stdout, done.stdout
     assert "Permission denied" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer.json"])
+def test_a_file_that_is_a_directory_is_named(hf_models, tmp_path, name):
+    """Such a config.json or tokenizer.json was reported missing."""
+    from jaxkv.formats.tokenizer import load_tokenizer
+
+    path = shutil.copytree(hf_models["gpt2"][1], tmp_path / "gpt2")
+    if (path / name).exists():
+        os.remove(path / name)
+    (path / name).mkdir()
+    with pytest.raises(CheckpointError, match=f"{name}: is a directory; expected the file"):
+        load_tokenizer(path) if name == "tokenizer.json" else jaxkv.load(path)

@@ -2,6 +2,7 @@
 CheckpointErrors that name the file."""
 
 import json
+import os
 
 from jaxkv.core.config import Config
 from jaxkv.models.maps import CheckpointError
@@ -17,6 +18,15 @@ def read_json(file: str) -> dict:
     if not isinstance(value, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(value).__name__}")
     return value
+
+
+def holds(directory: str, name: str) -> bool:
+    """Whether directory holds the file name; a directory of that name there is a
+    CheckpointError saying so (not a file found missing)."""
+    file = os.path.join(directory, name)
+    if os.path.isdir(file):
+        raise CheckpointError(f"{file}: is a directory; expected the file {name}")
+    return os.path.isfile(file)
 
 
 def parse_error(file: str, what: str, error: Exception) -> CheckpointError:

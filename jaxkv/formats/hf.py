@@ -13,7 +13,7 @@ from jaxkv import models
 from jaxkv.core.config import Config
 from jaxkv.core.params import Params, skeleton
 from jaxkv.core.sharding import param_shardings
-from jaxkv.formats.common import build_config, parse_error, read_json
+from jaxkv.formats.common import build_config, holds, parse_error, read_json
 from jaxkv.models.maps import CheckpointError, build_params
 
 
@@ -39,7 +39,7 @@ def load_hf(directory: str, dtype=None, mesh=None) -> Params:
     config_path = os.path.join(directory, "config.json")
     hf = read_json(config_path)
     generation_path = os.path.join(directory, "generation_config.json")
-    if os.path.isfile(generation_path):
+    if holds(directory, "generation_config.json"):
         hf["generation"] = read_json(generation_path)
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not files:

@@ -13,6 +13,7 @@ from jaxkv.core import checks, quant
 from jaxkv.core.params import Params
 from jaxkv.core.sharding import check_mesh, shard_params
 from jaxkv.formats import locate
+from jaxkv.formats.common import holds
 from jaxkv.formats.ct2 import load_ct2_whisper
 from jaxkv.formats.gguf import load_gguf
 from jaxkv.formats.hf import load_hf
@@ -56,12 +57,11 @@ def load(path, dtype=None, int8=False, mesh=None) -> Params:
 
 def _load_other(path: str, dtype=None, mesh=None) -> Params:
     """load's formats other than GGUF."""
-    if any(os.path.isfile(os.path.join(path, name)) for name in (SAVED_CONFIG, MANIFEST)):
+    if any(holds(path, name) for name in (SAVED_CONFIG, MANIFEST)):
         return load_saved(path, dtype, mesh)
-    if os.path.isfile(os.path.join(path, "model.bin")) and not glob.glob(
-            os.path.join(path, "*.safetensors")):
+    if holds(path, "model.bin") and not glob.glob(os.path.join(path, "*.safetensors")):
         return load_ct2_whisper(path, dtype)
-    if os.path.isfile(os.path.join(path, "config.json")):
+    if holds(path, "config.json"):
         return load_hf(path, dtype, mesh)
     raise FileNotFoundError(f"load: {path!r} is neither a .gguf file nor a directory holding "
                             f"config.json (Hugging Face), model.bin (CTranslate2 Whisper) or "

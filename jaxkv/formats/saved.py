@@ -186,9 +186,18 @@ def _restore(folder: str, shapes: dict) -> dict:
     except ValueError:
         with ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(folder, shapes)
-    return {name: jax.make_array_from_callback(shape.shape, shape.sharding,
-                                                 _reader(stores[name]))
-            for name, shape in shapes.items()}
+    return {name: _read_leaf(folder, name, shape, stores[name]) for name, shape in shapes.items()}
+
+
+def _read_leaf(folder: str, name: str, shape, store):
+    """One leaf as shape says, from its store; one that tensorstore cannot read (a file cut
+    short, a byte-range error naming no file) is a CheckpointError naming the folder and leaf."""
+    try:
+        return jax.make_array_from_callback(shape.shape, shape.sharding, _reader(store))
+    except ValueError as e:
+        raise CheckpointError(f"{folder}: leaf {name} cannot be read: the save looks truncated "
+                              f"or corrupt (a file under {folder} cut short or changed; a save "
+                              f"with its {MANIFEST} names the file): {e}") from None
 
 
 def _reader(store):

@@ -7,7 +7,7 @@ from tokenizers import (AddedToken, Tokenizer, decoders, models, normalizers, pr
                         processors)
 
 from jaxkv.formats import locate
-from jaxkv.formats.common import read_json
+from jaxkv.formats.common import holds, read_json
 from jaxkv.formats.gguf import gguf_reader
 from jaxkv.formats.saved import SAVED_CONFIG, verify_saved_file
 from jaxkv.models.common import gguf_field, gguf_required
@@ -24,7 +24,7 @@ def load_tokenizer(path) -> Tokenizer:
     path = locate.resolve(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
         return tokenizer_from_gguf(gguf_reader(path), path)
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    if holds(path, "tokenizer.json"):
         verify_saved_file(path, "tokenizer.json")
         return read_tokenizer(os.path.join(path, "tokenizer.json"))
     vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
