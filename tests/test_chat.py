@@ -60,3 +60,27 @@ def test_a_refused_turn_leaves_the_conversation_as_it_was(llama):
 def test_a_template_must_be_given(llama):
     with pytest.raises(ValueError, match="template must be the model's Jinja chat template"):
         Chat(llama, char_tokenizer(97), None)
+
+
+def test_an_interrupted_turn_leaves_the_conversation_as_it_was(llama):
+    """Ctrl-C while a compiled call holds the cache (donated, so deleted once the call began):
+    the turn is left out, a fresh cache is made, and the next turn answers as a fresh run."""
+    import jax
+
+    tokenizer = char_tokenizer(llama.config.vocab_size)
+    chat = Chat(llama, tokenizer, TEMPLATE, max_new_tokens=4, max_len=64, eos_id=None)
+    "".join(chat.say("Hi"))
+    kept = (list(chat.messages), list(chat.prefilled))
+
+    def interrupted(steps):
+        jax.tree.map(lambda x: x.delete(), chat.schedule.rows)
+        raise KeyboardInterrupt
+
+    chat.schedule.decode = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        "".join(chat.say("Tell me more"))
+    assert (chat.messages, chat.prefilled) == kept and chat.cached == []
+    second = "".join(chat.say("Ok"))
+    whole = tokenizer.encode(jaxkv.apply_chat_template(TEMPLATE, chat.messages[:-1])).ids
+    assert second == tokenizer.decode(sum(jaxkv.iter_tokens(llama, whole, 4, max_len=64), []))
+    assert chat.prefilled[-1][0] == len(whole)  # all of it prefilled again

@@ -52,7 +52,9 @@ def test_generate_streams_and_reports_speed(tiny_model_dir, capsys):
     captured = capsys.readouterr()
     assert captured.out.endswith("\n") and "tokens/s" not in captured.out  # the answer alone
     report = captured.err.strip().splitlines()[-1]  # statistics and progress on stderr
-    assert report.startswith("[6 tokens, ") and "tokens/s, time to first token" in report
+    assert report.startswith("[6 tokens, ") and "tokens/s; time to first token " in report
+    assert re.search(r"s from the command's start \(load \d+\.\d s, compiling and prefilling the "
+                     r"\d+-token prompt \d+\.\d s\); (compiled|read|nothing)[^;]*\]$", report)
 
 
 def test_default_models_are_found():
@@ -164,6 +166,7 @@ def test_check_memory_counts_every_layer_of_k_and_v(llama):
 
 def test_transcribe_mistakes_are_one_line(tmp_path):
     assert "no such file or directory" in refused(["transcribe", str(tmp_path / "none.flac")])
+    assert "is a folder; give an audio file" in refused(["transcribe", str(tmp_path)])
     (tmp_path / "noise.flac").write_text("not audio")
     message = refused(["transcribe", str(tmp_path / "noise.flac")])
     assert "cannot read the audio file" in message and "noise.flac" in message
@@ -179,7 +182,7 @@ def test_main_job_on_the_default_model():
     """What README's first command runs: the default real model answers."""
     result = run_cli("generate", "What is the capital of France?", "--max-new-tokens", "16")
     assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout and "tokens/s, time to first token" in result.stderr
+    assert "Paris" in result.stdout and "tokens/s; time to first token" in result.stderr
     assert "tokens/s" not in result.stdout and "compiling" in result.stderr
 
 
@@ -329,3 +332,74 @@ def test_broken_chat_template_is_one_line(tmp_path, tiny_model_dir):
     message = refused(["generate", "Hi", "--model", str(path), "--max-new-tokens", "2"])
     assert message.startswith(f"jaxkv: {path / 'chat_template.jinja'}: the chat template does "
                               "not parse: ") and "(line 1)" in message
+
+
+@pytest.mark.parametrize("error, said", [
+    (KeyboardInterrupt("5 of 12 prompts answered into a.jsonl; rerun the same command to "
+                       "resume"), "\ninterrupted: 5 of 12 prompts answered into a.jsonl; rerun "
+                                  "the same command to resume\n"),
+    (KeyboardInterrupt(), "\ninterrupted\n"),
+])
+def test_ctrl_c_is_one_line_and_code_130(error, said, monkeypatch, capsys):
+    def command(args):
+        raise error
+
+    monkeypatch.setitem(cli.COMMANDS, "transcribe", command)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["transcribe", "a.flac"])
+    assert exit_info.value.code == 130 and capsys.readouterr().err == said
+
+
+def test_ctrl_c_in_generate_shows_the_text_drawn(tiny_model_dir, monkeypatch, capsys):
+    """The answer so far reaches stdout, the text a --stop string might still complete too."""
+    from jaxkv.decoding import batching
+
+    def drawn(*args, **kwargs):
+        yield [40, 41]
+        yield [42]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batching, "iter_tokens", drawn)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "Hi", "--model", str(tiny_model_dir), "--stop", "JKLM"])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 130 and captured.out == "HIJ"
+    assert captured.err.endswith("\ninterrupted\n") and "Traceback" not in captured.err
+
+
+def test_ctrl_c_in_chat_stops_the_answer_and_at_the_prompt_ends_it(tmp_path, llama, monkeypatch,
+                                                                   capsys):
+    """Ctrl-C during an answer: the turn is left out and the chat goes on; at the prompt: the
+    chat ends quietly. Each answer ends its line before the figures on stderr."""
+    import builtins
+
+    from jaxkv.front.chat import Chat
+
+    path = tmp_path / "chatty"
+    jaxkv.save(llama, path, tokenizer=char_tokenizer(llama.config.vocab_size),
+               chat_template="{% for m in messages %}<{{ m.role }}>{{ m.content }}|{% endfor %}")
+    typed = iter(["Hi", "stop me", "Ok"])
+
+    def typed_line(prompt):
+        line = next(typed, None)
+        if line is None:
+            raise KeyboardInterrupt
+        return line
+
+    say = Chat.say
+
+    def say_or_stop(chat, text):
+        for piece in say(chat, text):
+            if text == "stop me":
+                raise KeyboardInterrupt
+            yield piece
+
+    monkeypatch.setattr(builtins, "input", typed_line)
+    monkeypatch.setattr(Chat, "say", say_or_stop)
+    cli.main(["chat", "--model", str(path), "--max-new-tokens", "3", "--compile-cache", "off"])
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert "[answer stopped; the conversation goes on without this turn]" in lines
+    counts = [line for line in lines if line.startswith("[prefilled")]
+    assert len(counts) == 2 and re.search(r"; (compiled|read) \d+ programs?", counts[0])
+    assert out.count("\n") == 4 and out.endswith("\n\n")  # 3 turns, then Ctrl-C at the prompt

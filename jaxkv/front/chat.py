@@ -6,6 +6,8 @@ only the ids after the longest common prefix are prefilled. The answer equals a 
 the whole conversation.
 """
 
+import jax
+
 from jaxkv.decoding.batching import Schedule
 from jaxkv.decoding.stops import cut, texts_of
 from jaxkv.formats.tokenizer import render_chat
@@ -27,9 +29,11 @@ class Chat:
         held = "max_len" if max_len else "its default cache"
         max_len = max_len or min(c.max_seq_len, 4096)
         self.eos_id = options.setdefault("eos_id", list(c.end_ids) or None)
-        self.schedule = Schedule(params, [], max_new_tokens, 1, max_len=max_len, block_size=None,
-                                 stop=self.stop or None, tokenizer=tokenizer,
-                                 limit=f"the chat's {max_len} positions ({held})", **options)
+        self.new_schedule = lambda: Schedule(
+            params, [], max_new_tokens, 1, max_len=max_len, block_size=None,
+            stop=self.stop or None, tokenizer=tokenizer,
+            limit=f"the chat's {max_len} positions ({held})", **options)
+        self.schedule = self.new_schedule()
         self.cached = []  # the ids the cache holds, position by position
         self.prefilled = []  # per turn: (ids prefilled, ids of the conversation)
 
@@ -47,15 +51,26 @@ class Chat:
         self.cached = ids[:start]  # what the cache surely holds once the prefill begins
         s.serve(0, turn, checked, start)
         answer, shown = [], Text(self.tokenizer, self.eos_id, self.stop)
-        for new in s.stream(1):
-            answer += new
-            yield shown.add(new)
+        try:
+            for new in s.stream(1):
+                answer += new
+                yield shown.add(new)
+        except KeyboardInterrupt:
+            self.mend()
+            raise
         yield shown.finish()
         self.cached = ids + answer[:-1]  # the last id drawn was never run through the model
         reply = self.tokenizer.decode([t for t in answer if t not in shown.ends],
                                       skip_special_tokens=True)
         self.messages = [*messages, {"role": "assistant", "content": cut(reply, self.stop)}]
         self.prefilled.append((len(ids) - start, len(ids)))
+
+    def mend(self) -> None:
+        """After a turn broken off by Ctrl-C: if the cache had been handed to a call that never
+        returned (donated, so deleted), a fresh one, and the next turn prefills it all."""
+        if any(x.is_deleted() for x in jax.tree.leaves(self.schedule.rows)
+               if isinstance(x, jax.Array)):
+            self.schedule, self.cached = self.new_schedule(), []
 
     def render(self, messages=None) -> str:
         """The conversation (or `messages`) as the template writes it for the next turn."""

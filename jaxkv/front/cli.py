@@ -9,6 +9,7 @@ A user's mistake (a missing or broken model, an impossible setting, a run that c
 memory) ends with one line on stderr, "jaxkv: ...", and exit code 1, before any compiling.
 """
 
+import contextlib
 import math
 import os
 import sys
@@ -17,6 +18,7 @@ import time
 from jaxkv.formats.locate import default_model, default_whisper, resolve
 from jaxkv.front.flags import parser
 from jaxkv.front.processes import join_processes
+from jaxkv.front.report import Compiles, since_start, status
 
 # ---- refusing what cannot work, before loading or compiling ----------------------------------
 
@@ -136,11 +138,6 @@ def check_memory(params, batch: int, capacity: int, free: int | None = None) -> 
 
 # ---- the commands -----------------------------------------------------------------------------
 
-def status(message: str) -> None:
-    """What the command is doing, on stderr (stdout holds only the answer)."""
-    print(f"[{message}]", file=sys.stderr, flush=True)
-
-
 def enable_compile_cache(directory: str) -> None:
     """JAX's persistent compilation cache in directory ('off': none)."""
     if directory == "off":
@@ -202,41 +199,49 @@ def run_generate(args) -> None:
         total, done = jsonl.check_job(args.input, args.output, args.max_new_tokens, **options)
         if done:
             status(f"{done} of {total} already in {args.output}; answering {total - done}")
-    began = time.perf_counter()
     mesh = join_processes(args)
     path, params, tokenizer, load_s = start(args, mesh)
     if args.input is not None:
         return run_file(args, path, params, tokenizer, mesh)
     ids = prompt_ids(path, params.config, tokenizer, args.prompt, not args.no_chat)
-    stream_answer(args, params, tokenizer, ids, began, load_s)
+    stream_answer(args, params, tokenizer, ids, load_s)
 
 
-def stream_answer(args, params, tokenizer, ids, began=None, load_s=0.0) -> list[int]:
-    """Prints one prompt's answer as it is drawn, then a line of figures; returns its ids."""
+def stream_answer(args, params, tokenizer, ids, load_s=0.0) -> list[int]:
+    """Prints one prompt's answer as it is drawn (on Ctrl-C, all drawn so far), then a line
+    of figures; returns its ids."""
     from jaxkv.decoding.batching import iter_tokens
     from jaxkv.decoding.prompts import cache_capacity
     from jaxkv.front.stream import Text
 
     ends = list(params.config.end_ids)
-    capacity = cache_capacity(params.config, [ids], args.max_new_tokens)
-    check_memory(params, 1, capacity)
+    check_memory(params, 1, cache_capacity(params.config, [ids], args.max_new_tokens))
     status(f"compiling (or reading the compile cache) and prefilling {len(ids)} tokens")
-    text, answer = Text(tokenizer, ends, args.stop), []
-    t1 = first_at = time.perf_counter()
-    for new in iter_tokens(params, ids, args.max_new_tokens, eos_id=ends or None,
-                           stop=args.stop or None, tokenizer=tokenizer, **sampling_options(args)):
-        first_at = first_at if answer else time.perf_counter()
-        answer += new
-        sys.stdout.write(text.add(new))
-        sys.stdout.flush()
-    sys.stdout.write(text.finish() + "\n")
-    sys.stdout.flush()
-    done_at, n = time.perf_counter(), len(answer)
-    rate = (n - 1) / (done_at - first_at) if n > 1 else float("nan")
-    wall = "" if began is None else f", {first_at - began:.1f} s after the command started"
-    status(f"{n} tokens, {rate:.1f} tokens/s, time to first token {first_at - t1:.1f} s "
-           f"(prompt {len(ids)} tokens, compile included{wall}); load {load_s:.1f} s")
+    text, answer, first = Text(tokenizer, ends, args.stop), [], None
+    began = time.perf_counter()
+    try:
+        with Compiles() as compiles:
+            for new in iter_tokens(params, ids, args.max_new_tokens, eos_id=ends or None,
+                                   stop=args.stop or None, tokenizer=tokenizer,
+                                   **sampling_options(args)):
+                first = first if answer else (time.perf_counter(), since_start())
+                answer += new
+                show(text.add(new))
+    except KeyboardInterrupt:
+        show(text.finish())
+        raise
+    show(text.finish() + "\n")
+    n, (first_at, first_s) = len(answer), first or (time.perf_counter(), since_start())
+    rate = (n - 1) / (time.perf_counter() - first_at) if n > 1 else float("nan")
+    status(f"{n} tokens, {rate:.1f} tokens/s; time to first token {first_s:.1f} s from the "
+           f"command's start (load {load_s:.1f} s, compiling and prefilling the "
+           f"{len(ids)}-token prompt {first_at - began:.1f} s); {compiles.said()}")
     return answer
+
+
+def show(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def run_file(args, path, params, tokenizer, mesh=None) -> None:
@@ -267,27 +272,40 @@ def run_chat(args) -> None:
     chat = Chat(params, tokenizer, template, system=args.system,
                 max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling_options(args))
     check_memory(params, 1, chat.schedule.capacity)
-    status("type a message, then Enter; Ctrl-D or /exit ends the chat")
+    status("type a message, then Enter; Ctrl-C stops an answer; Ctrl-D or /exit ends the chat")
     while (line := read_turn()) is not None:
-        began = time.perf_counter()
-        if not chat.prefilled:
-            status("compiling (or reading the compile cache) for the first turn")
-        try:
-            for piece in chat.say(line):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        except ValueError as e:  # this turn refused; the conversation goes on without it
-            print(f"jaxkv: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-            continue
-        new, total = chat.prefilled[-1]
-        status(f"prefilled {new} of the conversation's {total} tokens; "
-               f"{time.perf_counter() - began:.1f} s")
+        say_turn(chat, line)
+
+
+def say_turn(chat, line: str) -> None:
+    """One turn: the answer on stdout, then on stderr what it prefilled and compiled. A turn
+    refused, or stopped by Ctrl-C, is left out of the conversation, which goes on."""
+    began = time.perf_counter()
+    if not chat.prefilled:
+        status("compiling (or reading the compile cache) for the first turn")
+    try:
+        with Compiles() as compiles, contextlib.closing(chat.say(line)) as pieces:
+            for piece in pieces:
+                show(piece)
+    except ValueError as e:
+        print(f"jaxkv: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return
+    except KeyboardInterrupt:
+        show("\n")
+        status("answer stopped; the conversation goes on without this turn")
+        return
+    show("\n")  # the answer's line ends before the figures
+    new, total = chat.prefilled[-1]
+    status(f"prefilled {new} of the conversation's {total} tokens; "
+           f"{time.perf_counter() - began:.1f} s; {compiles.said()}")
 
 
 def read_turn() -> str | None:
+    """The next message; None at /exit, Ctrl-D or Ctrl-C (the chat ends quietly)."""
     try:
         line = input("\n> ")
-    except EOFError:
+    except (EOFError, KeyboardInterrupt):
+        show("\n")  # the shell's prompt on a line of its own
         return None
     return None if line.strip() == "/exit" else line
 
@@ -299,6 +317,8 @@ def read_audio(path: str):
     from jaxkv.formats.audio import load_audio
 
     check_exists(path, "audio file")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"audio file {path!r} is a folder; give an audio file")
     try:
         return load_audio(path)
     except soundfile.SoundFileError as e:
@@ -334,13 +354,17 @@ def run_eval(args) -> None:
 
 def main(argv=None) -> None:
     """Runs a command; a user's mistake exits with code 1 and one line on stderr, no traceback
-    (argparse's usage errors keep their code 2)."""
+    (argparse's usage errors keep their code 2); Ctrl-C is one line, "interrupted" and what
+    was kept, and exit code 130 (a shell's code for SIGINT)."""
     args = parser().parse_args(argv)
     try:
         COMMANDS[args.command](args)
     except (ValueError, OSError, MemoryError) as e:
         message = " ".join(str(e).split())  # one line, whatever the message held
         raise SystemExit(f"jaxkv: {message}") from e
+    except KeyboardInterrupt as e:  # a newline first: a progress line or the answer may be open
+        print("\ninterrupted" + (f": {e}" if e.args else ""), file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 COMMANDS = {"generate": run_generate, "chat": run_chat, "transcribe": run_transcribe,
