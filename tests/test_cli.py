@@ -403,3 +403,13 @@ def test_ctrl_c_in_chat_stops_the_answer_and_at_the_prompt_ends_it(tmp_path, lla
     counts = [line for line in lines if line.startswith("[prefilled")]
     assert len(counts) == 2 and re.search(r"; (compiled|read) \d+ programs?", counts[0])
     assert out.count("\n") == 4 and out.endswith("\n\n")  # 3 turns, then Ctrl-C at the prompt
+
+
+def test_time_is_counted_from_the_process_start():
+    """The interpreter's start and the imports before jaxkv.front.report count too."""
+    import time
+
+    from jaxkv.front import report
+
+    since_import = time.perf_counter() - report.IMPORTED
+    assert report.since_start() > since_import
