@@ -252,6 +252,11 @@ def test_bad_arguments_are_clear_errors(llama):
             jaxkv.speculative_generate(llama, prompts, 4, n_draft=bad)
     with pytest.raises(ValueError, match="n_branches"):
         jaxkv.speculative_generate(llama, prompts, 4, n_branches=0)
+    with pytest.raises(ValueError, match=r"max_len=10 is too small: the draft tree takes 9 slots "
+                                         r"\(n_draft=8 x n_branches=1 \+ 1\), leaving 1 for "
+                                         r"prompt \+ max_new_tokens = 3 \+ 4 = 7; pass max_len "
+                                         r">= 16 or a smaller n_draft"):
+        jaxkv.speculative_generate(llama, prompts, 4, n_draft=8, max_len=10)
     with pytest.raises(ValueError, match="draft must be 'lookup'"):
         jaxkv.speculative_generate(llama, prompts, 4, draft="ngram")
     with pytest.raises(TypeError, match="draft must be 'lookup'"):

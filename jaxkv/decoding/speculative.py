@@ -350,14 +350,15 @@ def _capacity(c, dparams, lengths_B, T: int, max_new_tokens: int, max_len, M: in
     which may reach M D + 1 slots past the last answer token: it must fit max_len (or the
     model's max_seq_len), and a draft model's learned positions."""
     tree = M * D + 1
-    limit = c.max_seq_len if max_len is None else checks.int_arg(max_len, "max_len")
-    if tree >= limit:
-        held = "max_len" if max_len is not None else "the model's max_seq_len"
+    check_room(c, lengths_B, max_new_tokens, c.max_seq_len)
+    if max_len is not None:
+        need = _room(lengths_B, max_new_tokens, checks.int_arg(max_len, "max_len"), tree, M, D)
+    elif tree >= c.max_seq_len:
         raise ValueError(f"n_draft={D} x n_branches={M}: a draft tree of {tree} nodes does not "
-                         f"fit a cache of {limit} positions ({held}); lower n_draft")
-    room = None if max_len is None else limit - tree
-    need = capacity_for(c, T, max_new_tokens, room)
-    check_room(c, lengths_B, max_new_tokens, need, room)
+                         f"fit a cache of {c.max_seq_len} positions (the model's max_seq_len); "
+                         "lower n_draft")
+    else:
+        need = capacity_for(c, T, max_new_tokens)
     learned = [(model, config) for model, config in (("the model", c), ("the draft model",
                dparams and dparams.config)) if config and config.position == "learned"]
     for model, config in learned:
@@ -369,6 +370,19 @@ def _capacity(c, dparams, lengths_B, T: int, max_new_tokens: int, max_len, M: in
         return need + tree
     return whole_blocks(need + tree, min([config.max_seq_len for _, config in learned],
                                          default=need + tree + SLOT_MULTIPLE))
+
+
+def _room(lengths_B, max_new_tokens: int, max_len: int, tree: int, M: int, D: int) -> int:
+    """The slots of a max_len cache left for prompt and answer once the draft tree takes its
+    tree = M D + 1; they must hold the longest prompt and max_new_tokens."""
+    longest = int(np.max(np.asarray(lengths_B)))
+    need = longest + max_new_tokens
+    if need + tree > max_len:
+        raise ValueError(f"max_len={max_len} is too small: the draft tree takes {tree} slots "
+                         f"(n_draft={D} x n_branches={M} + 1), leaving {max_len - tree} for "
+                         f"prompt + max_new_tokens = {longest} + {max_new_tokens} = {need}; "
+                         f"pass max_len >= {need + tree} or a smaller n_draft")
+    return max_len - tree
 
 
 def _draft_params(params, draft):
