@@ -9,6 +9,7 @@ import pytest
 
 import jaxkv
 from jaxkv.core import checks
+from jaxkv.front.stream import Text
 from tests.conftest import CONFIGS, ENCDEC_CONFIGS
 
 RUNTIME = (ValueError, jax.errors.JaxRuntimeError)  # eager: ValueError; compiled: XLA's error
@@ -372,9 +373,16 @@ def branches(params):
      r"n_draft=1000000 x n_branches=1: a draft tree of 1000001 nodes does not fit a cache of "
      r"128 positions \(the model's max_seq_len\); lower n_draft"),
     (lambda p: jaxkv.speculative_generate(p, [[1]], 3, n_draft=20, max_len=16), ValueError,
-     r"a draft tree of 21 nodes does not fit a cache of 16 positions \(max_len\)"),
-    (lambda p: jaxkv.quantize(p, block=True), ValueError,
+     r"max_len=16 is too small: the draft tree takes 21 slots \(n_draft=20 x n_branches=1 \+ "
+     r"1\), leaving -5 for prompt \+ max_new_tokens = 1 \+ 3 = 4; pass max_len >= 25"),
+    (lambda p: jaxkv.quantize(p, block=True), TypeError,
      "quantize: block must be a positive int or None, got True"),
+    (lambda p: jaxkv.quantize(p, block=0), ValueError,
+     "quantize: block must be a positive int or None, got 0"),
+    (lambda p: jaxkv.make_prefix(p, [[1, 2, 3]], chunk_size=-1), ValueError,
+     "chunk_size must be a positive int or None, got -1"),
+    (lambda p: jaxkv.make_prefix(p, [[1, 2, 3]], chunk_size=True), TypeError,
+     "chunk_size must be a positive int or None, got True"),
     (lambda p: jaxkv.generate_many(p, [[1]], 3, prefix_cache="no"), TypeError,
      "prefix_cache must be True or False, got 'no'"),
     (lambda p: jaxkv.generate_many(p, [[1]], 3, progress=1), TypeError,
@@ -386,6 +394,99 @@ def branches(params):
 def test_api_arguments(params, call, error, match):
     with pytest.raises(error, match=match):
         call(params)
+
+
+# ---- prompts: arrays are prompts, empty ones are refused -----------------------------------
+
+def test_generate_many_takes_an_array_of_prompts(params):
+    """A [B, T] numpy or jax array is B prompts, as generate takes it."""
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    want = jaxkv.generate_many(params, prompts, 3)
+    assert jaxkv.generate_many(params, np.array(prompts), 3) == want
+    assert jaxkv.generate_many(params, jnp.array(prompts), 3) == want
+    assert jaxkv.generate_many(params, list(np.array(prompts)), 3) == want
+    assert jaxkv.generate(params, np.array(prompts), 3)[0].tolist() == want
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda p: jaxkv.generate_many(p, np.arange(1, 4), 3), ValueError,
+     r"prompts as an array must be \[B, T\] token ids \(one row per prompt\), got shape "
+     r"\(3,\); for one prompt p, pass \[p\]"),
+    (lambda p: jaxkv.generate_many(p, [1, 2, 3], 3), TypeError,
+     r"prompts must be a list of token-id lists \(one per row\), got \[1, 2, 3\]"),
+    (lambda p: jaxkv.generate_many(p, np.zeros((2, 0), np.int32), 3), ValueError,
+     r"prompts is empty: expected at least one token id, got shape \(2, 0\)"),
+    (lambda p: jaxkv.generate_many(p, jnp.array([[1, 2], [3, 97]]), 3), ValueError,
+     r"prompts\[1, 1\] = 97 is not a token id"),
+    (lambda p: jaxkv.generate_many(p, iter([[1]]), 3), ValueError,
+     r"prompts is an iterator \(list_iterator\), so generate_many cannot size the cache ahead: "
+     r"pass max_len"),
+    (lambda p: jaxkv.generate(p, np.zeros((0, 3), np.int32), 3), ValueError,
+     r"prompts is empty: expected \[B, T\] token ids with B, T >= 1, got shape \(0, 3\)"),
+    (lambda p: jaxkv.generate(p, np.zeros((2, 0), np.int32), 3), ValueError,
+     r"prompts is empty: .* got shape \(2, 0\)"),
+    (lambda p: jaxkv.generate(p, [[1, 2], []], 3), ValueError,
+     r"prompts\[1\] is empty: expected at least one token id"),
+    (lambda p: jaxkv.speculative_generate(p, np.zeros((1, 0), np.int32), 3), ValueError,
+     "prompts is empty"),
+    (lambda p: jaxkv.prefill(p, jaxkv.init_cache(p, 2, 16), [[1], [2, 3]]), ValueError,
+     "tokens must be a 2-D array of ints, got lists of different lengths"),
+    (lambda p: jaxkv.beam_search(p, [], 2, 3), ValueError,
+     r"prompt is empty: expected at least one token id, got shape \(0,\)"),
+    (lambda p: jaxkv.generate_branches(p, [], 2, 3), ValueError, "prompt is empty"),
+    (lambda p: jaxkv.forest_logits(p, tokens=[[]], parents=[[]]), ValueError,
+     r"tokens\[0\] is empty"),
+    (lambda p: jaxkv.decode_step(p, jaxkv.init_cache(p, 1, 16), 3, np.array([0])), ValueError,
+     r"token must have 1 dimension\(s\), got the scalar 3"),
+    (lambda p: next(jaxkv.stream(p, None, 5)), TypeError,
+     r"prompt must be text or token ids, got 5 \(int\)"),
+    (lambda p: next(jaxkv.stream(p, None, [[1, 2]])), ValueError,
+     r"prompt must have 1 dimension\(s\), got shape \(1, 2\)"),
+    (lambda p: next(jaxkv.stream(p, None, [])), ValueError, "prompt is empty"),
+])
+def test_prompt_arguments(params, call, error, match):
+    with pytest.raises(error, match=match):
+        call(params)
+
+
+@pytest.mark.parametrize("call", [
+    lambda p, n: jaxkv.generate(p, [[1]], n),
+    lambda p, n: jaxkv.generate_many(p, [[1]], n),
+    lambda p, n: jaxkv.generate_many(p, [[1], [2]], [3, n]),
+    lambda p, n: jaxkv.speculative_generate(p, [[1]], n),
+    lambda p, n: jaxkv.speculative_generate(p, [[1]], 3, n_draft=n),
+    lambda p, n: jaxkv.generate_branches(p, [1], n, 3),
+    lambda p, n: jaxkv.beam_search(p, [1], 2, n),
+    lambda p, n: jaxkv.generate_many(p, [[1]], 3, batch_size=n),
+])
+@pytest.mark.parametrize("n, error, match", [
+    (True, TypeError, "must be a positive int, got True"),
+    (2.0, TypeError, r"must be a positive int, got 2.0 \(float\)"),
+    (-1, ValueError, "must be a positive int, got -1"),
+    (0, ValueError, "must be a positive int, got 0"),
+])
+def test_counts_must_be_positive_ints(params, call, n, error, match):
+    with pytest.raises(error, match=match):
+        call(params, n)
+
+
+def test_numpy_ints_are_ints(params):
+    """np.int64(32) is an int wherever one is asked: quantize's block, make_prefix's chunk_size,
+    the end id stream leaves out of its text."""
+    assert jaxkv.quantize(params, block=np.int64(32)).embed.q.shape == params.embed.shape
+    whole = jaxkv.make_prefix(params, [[1, 2, 3]])
+    chunked = jaxkv.make_prefix(params, [[1, 2, 3]], chunk_size=np.int64(2))
+    np.testing.assert_allclose(chunked.logits, whole.logits, atol=1e-5)
+    assert Text(None, np.int64(3)).ends == {3}
+
+
+@pytest.mark.parametrize("where, error, match", [
+    ("missing.wav", FileNotFoundError, r"load_audio: no such audio file: '.*missing.wav'"),
+    (".", IsADirectoryError, r"load_audio: '.*' is a directory, not an audio file"),
+])
+def test_load_audio_names_a_missing_path(tmp_path, where, error, match):
+    with pytest.raises(error, match=match):
+        jaxkv.load_audio(tmp_path / where)
 
 
 def test_log_mel_features_must_be_finite():

@@ -116,10 +116,13 @@ def in_range(x, name: str, low: int, high: int, what: str):
         jax.lax.cond(bad, lambda: jax.debug.callback(_raise, describe, x), lambda: None)
 
 
-def int_arg(value, name: str, minimum: int = 1) -> int:
-    """value as a Python int >= minimum; numpy integer scalars are accepted, bools and floats
-    are not."""
-    expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+def int_arg(value, name: str, minimum: int = 1, or_none: bool = False) -> int | None:
+    """value as a Python int >= minimum (or None, where or_none allows it); numpy integer
+    scalars are accepted, bools and floats are not."""
+    expected = ("a positive int" if minimum == 1 else f"an int >= {minimum}") + (
+        " or None" if or_none else "")
+    if value is None and or_none:
+        return None
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be {expected}, got {value!r}")
     try:
@@ -175,9 +178,12 @@ def int_array(x, name: str, ndim: int, bounds=None, what: str = "is out of range
     if isinstance(x, str) or (isinstance(x, (list, tuple)) and x and isinstance(x[0], str)):
         raise TypeError(f"{name} must be token ids (ints), got text {str(x)[:40]!r}: encode it "
                         "first, e.g. tokenizer.encode(text).ids")
-    x = x if isinstance(x, jax.Array) else np.asarray(x)
+    x = _as_array(x, name, ndim)
     if x.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(x.shape)}")
+        value = concrete(x)
+        got = (f"the scalar {value.item()!r}" if x.ndim == 0 and value is not None else
+               f"shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must have {ndim} dimension(s), got {got}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must hold integers (token ids, positions or lengths), got dtype "
                         f"{x.dtype}")
@@ -188,16 +194,33 @@ def int_array(x, name: str, ndim: int, bounds=None, what: str = "is out of range
     return jnp.asarray(x, jnp.int32)
 
 
+def _as_array(x, name: str, ndim: int):
+    """x as a numpy array (a jax array as it is). Lists of rows of different lengths are an
+    error naming x; empty lists hold ints (numpy would make them floats)."""
+    if isinstance(x, jax.Array):
+        return x
+    try:
+        array = np.asarray(x)
+    except ValueError:  # numpy: "setting an array element with a sequence ... inhomogeneous"
+        raise ValueError(f"{name} must be a {ndim}-D array of ints, got lists of different "
+                         "lengths") from None
+    if array.size == 0 and not isinstance(x, np.ndarray):
+        return array.astype(np.int32)
+    return array
+
+
 def token_ids(config, x, name: str, ndim: int):
-    """int_array of token ids: every entry in [0, vocab_size)."""
-    return int_array(x, name, ndim, (0, config.vocab_size), "is not a token id: expected "
-                     f"0 <= id < vocab_size ({config.vocab_size})")
+    """int_array of token ids: at least one, every entry in [0, vocab_size)."""
+    ids = int_array(x, name, ndim, (0, config.vocab_size), "is not a token id: expected "
+                    f"0 <= id < vocab_size ({config.vocab_size})")
+    if ids.size == 0:
+        raise ValueError(f"{name} is empty: expected at least one token id, got shape "
+                         f"{tuple(ids.shape)}")
+    return ids
 
 
 def tokens_2d(config, tokens, name: str):
     tokens_BT = token_ids(config, tokens, name, 2)
-    if tokens_BT.shape[1] == 0:
-        raise ValueError(f"{name} is empty: shape {tuple(tokens_BT.shape)}")
     if tokens_BT.shape[1] > config.max_seq_len:
         raise ValueError(f"{name} has {tokens_BT.shape[1]} positions, more than the model's "
                          f"max_seq_len ({config.max_seq_len})")

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import ops
+from jaxkv.core import checks
 from jaxkv.core.params import Params
 from jaxkv.ops.arrays import Int8
 
@@ -49,9 +50,7 @@ def quantize(params, kind: str = "int8", block: int | None = None):
                         f"got {type(params).__name__}")
     if kind != "int8":
         raise ValueError(f"quantize: kind must be 'int8', got {kind!r}")
-    if block is not None and not (isinstance(block, int) and not isinstance(block, bool)
-                                  and block > 0):
-        raise ValueError(f"quantize: block must be a positive int or None, got {block!r}")
+    block = checks.int_arg(block, "quantize: block", or_none=True)
     q = lambda w: w if w is None or isinstance(w, Int8) else quantize_matrix(w, block)  # noqa: E731
     blocks = tuple(b.replace(wqkv=q(b.wqkv), wo=q(b.wo), w_in=q(b.w_in), w_out=q(b.w_out))
                    for b in params.blocks)

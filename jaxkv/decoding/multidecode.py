@@ -111,7 +111,7 @@ def make_prefix(params, prompts, chunk_size: int | None = None, kv_dtype=None,
     cache = init_cache(params, len(rows), checks.bucket_len(T), kv_dtype)
     if mesh is not None:
         cache = jax.tree.map(place, cache, cache_shardings(cache, mesh))
-    chunk = chunk_size or T
+    chunk = checks.int_arg(chunk_size, "chunk_size", or_none=True) or T
     last = np.zeros((len(rows), params.config.vocab_size), np.float32)
     for start in range(0, T, chunk):
         piece = np.clip(lengths - start, 1, chunk)  # rows already done write masked padding

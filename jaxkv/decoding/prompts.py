@@ -21,6 +21,9 @@ def prepare_prompts(config, prompts, lengths=None):
         raise TypeError("prompts must be a list of token-id lists or a [B, T] array, got None")
     tokens_BT = checks.int_array(prompts, "prompts", 2)
     B, T = tokens_BT.shape
+    if B == 0 or T == 0:
+        raise ValueError(f"prompts is empty: expected [B, T] token ids with B, T >= 1, got shape "
+                         f"{(B, T)}")
     lengths_B = jnp.full((B,), T, jnp.int32) if lengths is None else checks.int_array(
         lengths, "lengths", 1, (1, T + 1),
         f"is not a prompt length: expected 1 <= length <= {T}")
@@ -36,18 +39,20 @@ def pad_rows(config, prompts):
     """(tokens [B, T] right-padded with 0, lengths [B]) from a list of token-id lists."""
     if not prompts:
         raise ValueError("prompts is empty: expected at least one prompt")
-    if np.ndim(prompts[0]) == 0:
-        raise TypeError(f"prompts must be a list of token-id lists (one per row), got "
-                        f"{prompts!r:.60}; for one prompt p, pass [p]")
-    for i, p in enumerate(prompts):
-        if np.size(p) == 0:
-            raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+    one_per_row(prompts)
     rows = [checks.token_ids(config, p, f"prompts[{i}]", 1) for i, p in enumerate(prompts)]
     lengths = np.array([row.shape[0] for row in rows], np.int32)
     tokens = np.zeros((len(rows), lengths.max()), np.int32)
     for i, row in enumerate(rows):
         tokens[i, : row.shape[0]] = row
     return tokens, lengths
+
+
+def one_per_row(prompts):
+    """A list of prompts must hold token-id lists, not the ids of one prompt."""
+    if prompts and not isinstance(prompts[0], str) and np.ndim(prompts[0]) == 0:
+        raise TypeError(f"prompts must be a list of token-id lists (one per row), got "
+                        f"{prompts!r:.60}; for one prompt p, pass [p]")
 
 
 SLOT_MULTIPLE = 16  # default capacities are whole blocks of the attention kernels
@@ -179,10 +184,15 @@ def cache_capacity(config, prompts, max_new_tokens, max_len=None) -> int:
 
 
 def sized(config, prompts, N, max_len):
-    """(prompts, cache capacity): a list sizes it; other iterables need max_len."""
+    """(prompts, cache capacity): a list or a [B, T] array (taken as its B rows, its ids
+    checked whole) sizes it; other iterables need max_len."""
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        prompts = array_rows(config, prompts)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
-        raise TypeError(f"prompts must be an iterable of token-id lists, got "
+        raise TypeError(f"prompts must be an iterable of token-id lists or a [B, T] array, got "
                         f"{type(prompts).__name__}")
+    if isinstance(prompts, (list, tuple)):
+        one_per_row(prompts)
     if max_len is not None:
         capacity = capacity_for(config, 0, N, max_len)
         if capacity > config.max_seq_len:
@@ -192,6 +202,16 @@ def sized(config, prompts, N, max_len):
         longest = max((np.size(p) for p in prompts), default=1)
         capacity = capacity_for(config, checks.bucket_len(longest), N)
     else:
-        raise ValueError("prompts is an iterator, so generate_many cannot size the cache "
-                         "ahead: pass max_len (longest prompt + max_new_tokens)")
+        raise ValueError(f"prompts is an iterator ({type(prompts).__name__}), so generate_many "
+                         "cannot size the cache ahead: pass max_len (longest prompt + "
+                         "max_new_tokens), or pass a list or a [B, T] array")
     return prompts, capacity
+
+
+def array_rows(config, prompts_BT) -> list:
+    """The B rows of a [B, T] array of prompts (numpy or jax), every id checked."""
+    if np.ndim(prompts_BT) != 2:
+        raise ValueError(f"prompts as an array must be [B, T] token ids (one row per prompt), "
+                         f"got shape {tuple(np.shape(prompts_BT))}"
+                         f"{'; for one prompt p, pass [p]' if np.ndim(prompts_BT) == 1 else ''}")
+    return list(np.asarray(checks.token_ids(config, prompts_BT, "prompts", 2)))

@@ -2,6 +2,7 @@
 the same filter bank and log / clamp / normalize steps as Whisper's reference."""
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +18,19 @@ N_SAMPLES = SAMPLE_RATE * CHUNK_SECONDS  # 480000 samples -> 3000 frames
 
 
 def load_audio(path, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Mono float32 samples at sample_rate from a wav / flac / ogg file (soundfile + soxr)."""
+    """Mono float32 samples at sample_rate from a wav / flac / ogg file (soundfile + soxr).
+    A missing path or a directory is an error naming it (libsndfile would say "System
+    error.")."""
     import soundfile
     import soxr
 
+    sample_rate = checks.int_arg(sample_rate, "sample_rate")
+    if isinstance(path, (str, os.PathLike)):  # (soundfile also reads open files)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"load_audio: no such audio file: {os.fspath(path)!r}")
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"load_audio: {os.fspath(path)!r} is a directory, not an "
+                                    "audio file")
     samples, rate = soundfile.read(path, dtype="float32", always_2d=True)
     samples = samples.mean(axis=1)
     if rate != sample_rate:

@@ -6,6 +6,9 @@ back an incomplete UTF-8 character and text a stop string may still complete. Le
 early stops the generation.
 """
 
+import numpy as np
+
+from jaxkv.core import checks
 from jaxkv.decoding import stops
 from jaxkv.decoding.batching import iter_tokens
 
@@ -15,7 +18,12 @@ def stream(params, tokenizer, prompt, max_new_tokens: int = 256, *, stop=(), **o
     tokenizer as is: apply a chat template first if wanted) or token ids. Ends at the model's
     end ids (config.end_ids; eos_id= overrides them) or a stop string, neither of them
     yielded, or after max_new_tokens. Options: iter_tokens' (sampling, key, steps, max_len)."""
-    ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+    if isinstance(prompt, str):
+        prompt = tokenizer.encode(prompt).ids
+    elif prompt is None or np.isscalar(prompt):
+        raise TypeError(f"prompt must be text or token ids, got {prompt!r} "
+                        f"({type(prompt).__name__})")
+    ids = checks.token_ids(params.config, prompt, "prompt", 1).tolist()
     eos = options.setdefault("eos_id", list(params.config.end_ids) or None)
     text = Text(tokenizer, eos, stop)
     for new in iter_tokens(params, ids, max_new_tokens, stop=text.stop or None,
@@ -31,7 +39,7 @@ class Text:
     end_ids: None, an id or ids (eos_id's forms), left out of the text."""
 
     def __init__(self, tokenizer, end_ids=None, stop=()):
-        ends = [] if end_ids is None else [end_ids] if isinstance(end_ids, int) else end_ids
+        ends = [] if end_ids is None else np.atleast_1d(end_ids).tolist()
         self.tokenizer, self.ends, self.stop = tokenizer, set(ends), stops.texts_of(stop)
         self.hold = max(map(len, self.stop), default=1) - 1  # a stop string may still form
         self.ids, self.sent = [], 0
