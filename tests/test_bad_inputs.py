@@ -412,8 +412,8 @@ def test_generate_many_takes_an_array_of_prompts(params):
     (lambda p: jaxkv.generate_many(p, np.arange(1, 4), 3), ValueError,
      r"prompts as an array must be \[B, T\] token ids \(one row per prompt\), got shape "
      r"\(3,\); for one prompt p, pass \[p\]"),
-    (lambda p: jaxkv.generate_many(p, [1, 2, 3], 3), TypeError,
-     r"prompts must be a list of token-id lists \(one per row\), got \[1, 2, 3\]"),
+    (lambda p: jaxkv.generate_many(p, [1, 2, 3], 3), ValueError,
+     r"prompts\[0\] must have 1 dimension\(s\), got the scalar 1"),
     (lambda p: jaxkv.generate_many(p, np.zeros((2, 0), np.int32), 3), ValueError,
      r"prompts is empty: expected at least one token id, got shape \(2, 0\)"),
     (lambda p: jaxkv.generate_many(p, jnp.array([[1, 2], [3, 97]]), 3), ValueError,

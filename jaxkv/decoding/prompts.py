@@ -39,20 +39,15 @@ def pad_rows(config, prompts):
     """(tokens [B, T] right-padded with 0, lengths [B]) from a list of token-id lists."""
     if not prompts:
         raise ValueError("prompts is empty: expected at least one prompt")
-    one_per_row(prompts)
+    if np.ndim(prompts[0]) == 0:
+        raise TypeError(f"prompts must be a list of token-id lists (one per row), got "
+                        f"{prompts!r:.60}; for one prompt p, pass [p]")
     rows = [checks.token_ids(config, p, f"prompts[{i}]", 1) for i, p in enumerate(prompts)]
     lengths = np.array([row.shape[0] for row in rows], np.int32)
     tokens = np.zeros((len(rows), lengths.max()), np.int32)
     for i, row in enumerate(rows):
         tokens[i, : row.shape[0]] = row
     return tokens, lengths
-
-
-def one_per_row(prompts):
-    """A list of prompts must hold token-id lists, not the ids of one prompt."""
-    if prompts and not isinstance(prompts[0], str) and np.ndim(prompts[0]) == 0:
-        raise TypeError(f"prompts must be a list of token-id lists (one per row), got "
-                        f"{prompts!r:.60}; for one prompt p, pass [p]")
 
 
 SLOT_MULTIPLE = 16  # default capacities are whole blocks of the attention kernels
@@ -191,8 +186,6 @@ def sized(config, prompts, N, max_len):
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
         raise TypeError(f"prompts must be an iterable of token-id lists or a [B, T] array, got "
                         f"{type(prompts).__name__}")
-    if isinstance(prompts, (list, tuple)):
-        one_per_row(prompts)
     if max_len is not None:
         capacity = capacity_for(config, 0, N, max_len)
         if capacity > config.max_seq_len:
