@@ -1,16 +1,23 @@
 """jaxkv.lm_eval.JaxkvLM in lm-evaluation-harness: on a tiny random Llama saved with a
 character tokenizer, and tiny tasks defined here from local files (multiple choice, rolling
 log-likelihood, generation until stop strings), the harness's metrics and per-document results
-from JaxkvLM equal those from the harness's own Hugging Face backend on the same directory."""
+from JaxkvLM equal those from the harness's own Hugging Face backend on the same directory.
+`jaxkv eval` runs docs/guide.md's "Tasks of your own" as the guide shows it, saying each stage,
+and runs offline at once when the Hub does not answer."""
 
 import json
+import os
 import re
+import shlex
 
 import lm_eval  # the test extra installs it
 import numpy as np
 import pytest
 
 from tests.conftest import save_tiny_llama
+
+GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                     "guide.md")
 
 QUESTIONS = [
     {"question": "The sky is", "choices": [" blue", " green", " loud"], "label": 0},
@@ -53,24 +60,32 @@ def tiny(tmp_path_factory):
     return model_dir, task_dir
 
 
-def evaluate(model, model_args, task_dir, monkeypatch):
+@pytest.fixture
+def offline(monkeypatch):
+    """Data sets read offline (the libraries' flags, which they read from the environment at
+    import, set for this test alone)."""
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def evaluate(model, model_args, task_dir):
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=sorted(TASKS),
-                                   task_manager=TaskManager(include_path=str(task_dir)),
-                                   log_samples=True, batch_size=1, random_seed=0,
-                                   numpy_random_seed=0, torch_random_seed=0)
+                                   task_manager=manager, log_samples=True, batch_size=1,
+                                   random_seed=0, numpy_random_seed=0, torch_random_seed=0)
 
 
-def test_jaxkv_equals_the_harness_hugging_face_backend(tiny, monkeypatch):
+def test_jaxkv_equals_the_harness_hugging_face_backend(tiny, offline):
     import jaxkv
 
     model_dir, task_dir = tiny
-    ours = evaluate(jaxkv.lm_eval.JaxkvLM(str(model_dir), batch_size=3), None, task_dir,
-                    monkeypatch)
-    theirs = evaluate("hf", f"pretrained={model_dir},dtype=float32,device=cpu", task_dir,
-                      monkeypatch)
+    ours = evaluate(jaxkv.lm_eval.JaxkvLM(str(model_dir), batch_size=3), None, task_dir)
+    theirs = evaluate("hf", f"pretrained={model_dir},dtype=float32,device=cpu", task_dir)
     for task in TASKS:
         for metric, value in theirs["results"][task].items():
             if isinstance(value, float) and "stderr" not in metric:
@@ -88,29 +103,85 @@ def test_jaxkv_equals_the_harness_hugging_face_backend(tiny, monkeypatch):
             np.testing.assert_allclose(mine_ll, hf_ll, rtol=1e-6, atol=1e-5)
 
 
-def test_the_eval_command_prints_the_harness_table(tiny, monkeypatch, tmp_path, capsys):
-    """(On a mesh, as across processes: tests/test_processes.py checks the jobs it runs.)"""
+def guide_example() -> tuple[dict, list]:
+    """({path: text} of the files docs/guide.md's "Tasks of your own" shows, each under a line
+    `path`:, and the arguments of its jaxkv eval command)."""
+    with open(GUIDE) as f:
+        section = f.read().split("\n### Tasks of your own\n")[1].split("\n#")[0]
+    files = dict(re.findall(r"^`(my_tasks/[^`]+)`:\n\n```\w*\n(.*?)```", section, re.M | re.S))
+    command = re.search(r"^```bash\njaxkv (eval .*?)\n```", section, re.M | re.S).group(1)
+    return files, shlex.split(command)
+
+
+def test_the_guides_own_tasks_run_as_shown_saying_each_stage(tiny, offline, tmp_path,
+                                                             monkeypatch, capsys):
+    """The guide's files and command, run in a folder holding them (the tiny model as --model,
+    on a 1x1 mesh as across processes: tests/test_processes.py checks the jobs it runs): the
+    harness's table and results file, and each stage said on stderr in order, reading only
+    the --include-path folder's tasks."""
+    from jaxkv.front import cli
+
+    files, args = guide_example()
+    assert sorted(files) == ["my_tasks/capitals.jsonl", "my_tasks/capitals_choice.yaml",
+                             "my_tasks/capitals_generate.yaml"]
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    cli.main(args + ["--model", str(tiny[0]), "--mesh", "1x1"])
+    printed, said = capsys.readouterr()
+    assert "capitals_choice" in printed and "exact_match" in printed
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert 0 <= results["capitals_choice"]["acc,none"] <= 1
+    assert 0 <= results["capitals_generate"]["exact_match,none"] <= 1
+    stages = ["reading the tasks in my_tasks", "reading the data sets of capitals_choice",
+              "2 tasks ready", f"loading {tiny[0]}", "12 loglikelihood requests: compiling",
+              "12 loglikelihood requests answered", "4 generate_until requests: compiling",
+              "4 generate_until requests answered", "writing results.json"]
+    at = [said.index(f"[{stage}") for stage in stages]
+    assert at == sorted(at), said
+    assert "index of lm-evaluation-harness" not in said
+
+
+def test_an_unreachable_hub_means_offline_at_once(tiny, tmp_path, monkeypatch, capsys):
+    """With the Hub not answering (and no offline flag set), evaluate says so and reads data
+    sets offline at once, instead of the hub client's retries; a data set neither cached nor
+    local is refused before the model loads, saying what to do."""
+    import datasets
+    import huggingface_hub
+
+    from jaxkv.front import cli
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(name, "0")  # restored after the test, whatever evaluate sets
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # closed
+    (tmp_path / "remote.yaml").write_text(
+        "task: jaxkv_remote\ndataset_path: jaxkv-tests/no-such-dataset\ntest_split: test\n"
+        "output_type: loglikelihood\ndoc_to_text: x\ndoc_to_target: y\n")
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["eval", "--model", str(tiny[0]), "--tasks", "jaxkv_remote",
+                  "--include-path", str(tmp_path)])
+    said = capsys.readouterr().err
+    assert "[http://127.0.0.1:9 does not answer" in said and "running offline" in said
+    assert "Retry" not in said and "[loading" not in said
+    for words in ("no-such-dataset", "HF_DATASETS_OFFLINE=1", "dataset_path: json",
+                  "--include-path DIR"):
+        assert words in str(refused.value)
+    assert datasets.config.HF_HUB_OFFLINE and huggingface_hub.constants.HF_HUB_OFFLINE
+
+
+def test_an_unknown_task_is_named_with_where_tasks_of_your_own_go(tiny, offline):
     from jaxkv.front import cli
 
     model_dir, task_dir = tiny
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    out = tmp_path / "results.json"
-    cli.main(["eval", "--model", str(model_dir), "--tasks", "jaxkv_tiny_choice",
-              "--include-path", str(task_dir), "--limit", "2", "--output", str(out),
-              "--mesh", "1x1"])
-    printed = capsys.readouterr().out
-    assert "jaxkv_tiny_choice" in printed and "acc" in printed
-    results = json.loads(out.read_text())["results"]["jaxkv_tiny_choice"]
-    assert 0 <= results["acc,none"] <= 1
-
-
-def test_an_unknown_task_is_named(tiny, monkeypatch):
-    from jaxkv.front import cli
-
-    model_dir, task_dir = tiny
-    with pytest.raises(SystemExit, match="jaxkv: tasks: no_such_task is not a task"):
+    with pytest.raises(SystemExit, match="jaxkv: tasks: no_such_task is not a task") as refused:
         cli.main(["eval", "--model", str(model_dir), "--tasks", "no_such_task",
                   "--include-path", str(task_dir)])
+    assert f"nor in {task_dir}" in str(refused.value)
+    assert "--include-path DIR (jaxkv eval) or include_path= (jaxkv.lm_eval.evaluate)" in str(
+        refused.value)
 
 
 @pytest.mark.parametrize("options, error, words", [

@@ -11,11 +11,20 @@ answers with loglikelihood_many (contexts shared by their choices), loglikelihoo
 (documents in windows of max_length positions) and generate_many (greedy or sampled, ending at
 the task's stop strings). Truncation follows the harness's Hugging Face model: contexts keep
 their last tokens.
+
+evaluate and report say on stderr what they are doing, as `jaxkv generate` does ("[loading
+...]"): reading the task index, reading the data sets (offline at once when the Hub does not
+answer, instead of the hub client's retries), loading the model, writing the results; JaxkvLM
+says each kind of request as it runs (generation with a progress line) and what it compiled.
 """
 
+import contextlib
 import json
 import os
+import time
 
+import datasets
+import huggingface_hub
 import jax
 import lm_eval
 from lm_eval.api.model import TemplateLM
@@ -35,6 +44,12 @@ from jaxkv.decoding.likelihood import loglikelihood_many, loglikelihood_rolling
 from jaxkv.formats.load import load
 from jaxkv.formats.tokenizer import load_tokenizer
 from jaxkv.front.processes import mesh_shape
+from jaxkv.front.report import Compiles, status
+
+# Where evaluate's errors send a user with tasks of their own.
+OWN_TASKS = ("a folder of task YAML files: --include-path DIR (jaxkv eval) or include_path= "
+             "(jaxkv.lm_eval.evaluate); docs/guide.md, \"Tasks of your own\"")
+HUB_TIMEOUT_S = 3.0  # how long the Hub may take to answer before evaluate runs offline
 
 
 def _int_option(value, name: str, minimum: int = 1) -> int:
@@ -111,8 +126,9 @@ class JaxkvLM(TemplateLM):
         for _, context, continuation in requests:
             room = self.max_length + 1 - len(continuation)
             pairs.append((context[-room:] if len(context) > room else context, continuation))
-        results = loglikelihood_many(self.params, pairs, batch_size=self.batch_size,
-                                     kv_dtype=self.kv_dtype, mesh=self.mesh)
+        with running(len(pairs), "loglikelihood", f"scoring {self.batch_size} at a time"):
+            results = loglikelihood_many(self.params, pairs, batch_size=self.batch_size,
+                                         kv_dtype=self.kv_dtype, mesh=self.mesh)
         for (cache_key, _, _), result in zip(requests, results):
             if cache_key is not None:
                 self.cache_hook.add_partial("loglikelihood", cache_key, result)
@@ -120,9 +136,11 @@ class JaxkvLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False) -> list[float]:
         documents = [self.tok_encode(request.args[0]) for request in requests]
-        results = loglikelihood_rolling(self.params, documents, prefix_id=self.prefix_token_id,
-                                        max_len=self.max_length, batch_size=self.batch_size,
-                                        kv_dtype=self.kv_dtype, mesh=self.mesh)
+        with running(len(documents), "loglikelihood_rolling",
+                     f"scoring {self.batch_size} at a time"):
+            results = loglikelihood_rolling(
+                self.params, documents, prefix_id=self.prefix_token_id, max_len=self.max_length,
+                batch_size=self.batch_size, kv_dtype=self.kv_dtype, mesh=self.mesh)
         for request, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, result)
         return results
@@ -134,10 +152,11 @@ class JaxkvLM(TemplateLM):
         for i, request in enumerate(requests):
             groups.setdefault(repr(sorted(request.args[1].items())), []).append(i)
         texts: list = [None] * len(requests)
-        for members in groups.values():
-            for i, text in zip(members, self._generate([requests[i] for i in members])):
-                texts[i] = text
-                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        with running(len(requests), "generate_until", f"generating {self.batch_size} at a time"):
+            for members in groups.values():
+                for i, text in zip(members, self._generate([requests[i] for i in members])):
+                    texts[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return texts
 
     def _generate(self, requests) -> list[str]:
@@ -155,26 +174,103 @@ class JaxkvLM(TemplateLM):
         answers = generate_many(self.params, prompts, budget, batch_size=self.batch_size,
                                 temperature=temperature, key=self.key,
                                 stop=[text for text in until if text], tokenizer=self.tokenizer,
-                                mesh=self.mesh)
+                                mesh=self.mesh, progress=True)
         return [postprocess_generated_text(self.tok_decode(answer), until, None)
                 for answer in answers]
+
+
+@contextlib.contextmanager
+def running(n: int, kind: str, doing: str):
+    """Says on stderr that n requests of a kind start (compiling first) and, when the block
+    ends, how long they took and what was compiled."""
+    status(f"{n} {kind} requests: compiling, then {doing}")
+    began = time.perf_counter()
+    with Compiles() as compiles:
+        yield
+    status(f"{n} {kind} requests answered in {time.perf_counter() - began:.1f} s; "
+           f"{compiles.said()}")
 
 
 def evaluate(path: str, tasks: list[str], *, include_path=None, num_fewshot=None, limit=None,
              batch_size: int = 16, dtype=None, seed: int = 0, mesh=None) -> dict:
     """lm_eval.simple_evaluate of the model at path on tasks (include_path: a folder of task
-    YAML files of your own); the harness's seeds all set to seed; mesh: JaxkvLM's."""
+    YAML files of your own); the harness's seeds all set to seed; mesh: JaxkvLM's. The tasks'
+    data sets are read before the model is loaded, so a missing one is said at once."""
     limit = None if limit is None else (int(limit) if limit >= 1 else limit)
-    manager = TaskManager(include_path=include_path)
+    manager = task_index(tasks, include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks and not os.path.isfile(t)]
     if unknown:
-        hint = "" if include_path else " (tasks of your own: include_path, a folder of YAML)"
+        where = f" nor in {include_path}" if include_path else ""
         raise ValueError(f"tasks: {', '.join(unknown)} is not a task, group or tag the harness "
-                         f"knows{hint}")
+                         f"knows{where} (tasks of your own: {OWN_TASKS})")
+    read_tasks(manager, tasks)
+    status(f"loading {path}")
+    model = JaxkvLM(path, dtype=dtype, batch_size=batch_size, seed=seed, mesh=mesh)
     return lm_eval.simple_evaluate(
-        model=JaxkvLM(path, dtype=dtype, batch_size=batch_size, seed=seed, mesh=mesh),
-        tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+        model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+
+
+class TaskIndex(TaskManager):
+    """The harness's TaskManager whose load reads a list of tasks once: evaluate reads them
+    (their data sets) before loading the model, and simple_evaluate's load gets the same."""
+
+    loaded: tuple = ()  # (the task list, what load gave for it)
+
+    def load(self, task_list):
+        if not self.loaded or self.loaded[0] != task_list:
+            self.loaded = (list(task_list), super().load(task_list))
+        return self.loaded[1]
+
+
+def task_index(tasks: list[str], include_path) -> TaskIndex:
+    """The tasks of include_path alone when they are every task asked for (the harness's own
+    index, some 15,000 tasks, takes far longer to read), else the harness's with them."""
+    if include_path:
+        status(f"reading the tasks in {include_path}")
+        own = TaskIndex(include_path=include_path, include_defaults=False)
+        if set(tasks) <= set(own.all_subtasks):
+            return own
+    status("reading the index of lm-evaluation-harness's tasks")
+    return TaskIndex(include_path=include_path)
+
+
+def read_tasks(manager: TaskIndex, tasks: list[str]) -> None:
+    """Loads the tasks and their data sets, offline when the Hub does not answer; a data set
+    that cannot be had is an error saying what to do."""
+    offline = hub_offline()
+    status(f"reading the data sets of {', '.join(tasks)}"
+           f"{' offline (the local cache and local files)' if offline else ''}")
+    try:
+        loaded = manager.load(tasks)
+    except ConnectionError as e:
+        raise ValueError(
+            f"{e}; offline, a task reads its data set from the Hugging Face cache "
+            f"({datasets.config.HF_DATASETS_CACHE}: run once where the Hub answers, then set "
+            f"HF_DATASETS_OFFLINE=1) or from local files (dataset_path: json with "
+            f"dataset_kwargs: {{data_files: ...}}, in {OWN_TASKS})") from e
+    n = len(loaded["tasks"])
+    status(f"{n} task{'s' * (n != 1)} ready; building their requests")
+
+
+def hub_offline() -> bool:
+    """Whether data sets are read offline: asked for (HF_DATASETS_OFFLINE or HF_HUB_OFFLINE),
+    or made so here when the Hub does not answer within HUB_TIMEOUT_S (before the hub client
+    would retry every file five times)."""
+    if datasets.config.HF_HUB_OFFLINE or huggingface_hub.constants.HF_HUB_OFFLINE:
+        return True
+    endpoint = huggingface_hub.constants.ENDPOINT
+    try:
+        huggingface_hub.utils.get_session().head(endpoint, timeout=HUB_TIMEOUT_S)
+        return False
+    except Exception as e:  # any failure to answer (DNS, refused, timeout, proxy)
+        status(f"{endpoint} does not answer ({e}): running offline, as HF_DATASETS_OFFLINE=1 "
+               f"would")
+    # the libraries read their environment once, at import: set both their flags and the
+    # environment (for processes they start)
+    os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    return True
 
 
 def report(results: dict, output=None) -> None:
@@ -184,6 +280,7 @@ def report(results: dict, output=None) -> None:
         return
     print(make_table(results))
     if output:
+        status(f"writing {output}")
         with open(output, "w") as f:
             json.dump({k: v for k, v in results.items() if k != "samples"}, f, indent=1,
                       default=handle_non_serializable)
