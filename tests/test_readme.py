@@ -1,16 +1,17 @@
-"""Every ```python block of README.md and of each docs/*.md runs as written, so an example
-cannot rot (all but the README title's one-line signature of decode_step, which names its
-arguments but does not make them).
+"""Every ```python block of README.md and of each docs/*.md runs as written, alone, so an
+example cannot rot and none leans on another (all but the README title's one-line signature of
+decode_step, which names its arguments but does not make them).
 
-The blocks under one `#` or `##` heading of one file form one script, named "<file>: <heading>",
-run in order in one namespace (later blocks use what earlier ones defined; `###` subsections
-stay in their `##` section's script), in a fresh Python process whose working directory is the
-repository root: a section that needs 8 host devices sets XLA_FLAGS itself before importing
-jax. The processes run with JAX_PLATFORMS=cpu, so that the mesh example finds its 8 simulated
-devices on a machine with an accelerator too. Nothing in the code is substituted: the examples
-are written small enough to run as they are. Non-python fences (bash, text) are not run. All
-sections start at once: most of their time is compiling, which keeps one core busy each; each
-loads its model, so the docs keep their examples in few sections.
+Each block runs by itself in a fresh Python process, as a reader pasting just that block would
+run it: a name it uses but does not make (a model loaded by an earlier block) is a NameError.
+A block is named "<file>: <heading>" after the nearest heading above it, with " (2)", " (3)"
+for a heading's later blocks. The working directory is the repository root; a block that needs
+8 host devices sets XLA_FLAGS itself before importing jax. The processes run with
+JAX_PLATFORMS=cpu, so that the mesh example finds its 8 simulated devices on a machine with an
+accelerator too. Nothing in the code is substituted: the examples are written small enough to
+run as they are. Non-python fences (bash, text, yaml) are not run. All blocks start at once:
+most of their time is compiling, which keeps one core busy each; each loads its model, so the
+docs keep their examples few.
 """
 
 import glob
@@ -24,54 +25,58 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
                                for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
-# Sections whose block is a one-line signature, not an example.
+# Blocks that are a one-line signature, not an example.
 SIGNATURES = {"README.md: jaxkv"}
-# What a section's output must contain, where its examples print something checkable.
-PRINTS = {"docs/guide.md: Decoding": "ask not what your country can do for you"}
+# What a block's output must contain, where its example prints something checkable.
+PRINTS = {"docs/guide.md: Speech (Whisper)": "ask not what your country can do for you"}
 
 
-def python_sections(markdown: str) -> dict[str, str]:
-    """{heading: its ```python blocks joined in order} for each `#` / `##` heading."""
-    sections, heading, fence, block = {}, None, None, []
+def python_blocks(markdown: str) -> dict[str, str]:
+    """{name: code} of each ```python block, named after the nearest heading above it."""
+    blocks, heading, fence, lines = {}, None, None, []
     for line in markdown.splitlines():
         if line.startswith("```"):
             if fence == "python":
-                sections.setdefault(heading, []).append("\n".join(block))
-            fence, block = (line[3:].strip(), []) if fence is None else (None, [])
+                name, n = heading, 1
+                while name in blocks:
+                    n += 1
+                    name = f"{heading} ({n})"
+                blocks[name] = "\n".join(lines)
+            fence, lines = (line[3:].strip(), []) if fence is None else (None, [])
         elif fence is not None:
-            block.append(line)
-        elif line.startswith(("# ", "## ")):
+            lines.append(line)
+        elif line.startswith("#"):
             heading = line.lstrip("#").strip()
     assert fence is None, "a ``` fence is not closed"
-    return {h: "\n\n".join(blocks) for h, blocks in sections.items()}
+    return blocks
 
 
-def all_sections() -> dict[str, str]:
-    """{"<file>: <heading>": script} over README.md and docs/*.md."""
-    sections = {}
+def all_blocks() -> dict[str, str]:
+    """{"<file>: <heading>": code} over README.md and docs/*.md."""
+    blocks = {}
     for name in FILES:
         with open(os.path.join(ROOT, name)) as f:
-            for heading, script in python_sections(f.read()).items():
-                sections[f"{name}: {heading}"] = script
-    return sections
+            for heading, code in python_blocks(f.read()).items():
+                blocks[f"{name}: {heading}"] = code
+    return blocks
 
 
-SECTIONS = all_sections()
-RUN = sorted(set(SECTIONS) - SIGNATURES)
+BLOCKS = all_blocks()
+RUN = sorted(set(BLOCKS) - SIGNATURES)
 
 
 @pytest.fixture(scope="module")
 def processes(tmp_path_factory):
-    """{section: (process, stdout file, stderr file)} for every section, all started at once."""
+    """{block: (process, stdout file, stderr file)} for every block, all started at once."""
     folder = tmp_path_factory.mktemp("readme")
     env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
     started = {}
-    for i, section in enumerate(RUN):
-        script, out, err = (folder / f"section{i}{ext}" for ext in (".py", ".out", ".err"))
-        script.write_text(SECTIONS[section])
+    for i, block in enumerate(RUN):
+        script, out, err = (folder / f"block{i}{ext}" for ext in (".py", ".out", ".err"))
+        script.write_text(BLOCKS[block])
         with open(out, "w") as stdout, open(err, "w") as stderr:
-            started[section] = (subprocess.Popen([sys.executable, str(script)], cwd=ROOT,
-                                                 env=env, stdout=stdout, stderr=stderr), out, err)
+            started[block] = (subprocess.Popen([sys.executable, str(script)], cwd=ROOT,
+                                               env=env, stdout=stdout, stderr=stderr), out, err)
     yield started
     for process, _, _ in started.values():
         if process.poll() is None:
@@ -80,21 +85,30 @@ def processes(tmp_path_factory):
 
 
 def test_the_examples_are_found():
-    assert {"README.md: Library example", "docs/guide.md: Decoding",
-            "docs/guide.md: Data sets, streaming, chat, command line",
+    assert {"README.md: Library example", "docs/guide.md: Driving the step yourself",
+            "docs/guide.md: Forests, branches and beams (MultiDecode)",
+            "docs/guide.md: Continuous batching",
+            "docs/guide.md: Scoring: log-likelihoods and lm-evaluation-harness",
             "docs/guide.md: Running on a mesh (several devices, several hosts)",
             "docs/speculative.md: How it works, with an example"} <= set(RUN)
     assert set(PRINTS) <= set(RUN)
-    assert all(SECTIONS[section].strip() for section in RUN)
-    assert all(len(SECTIONS[section].strip().splitlines()) == 1 for section in SIGNATURES)
+    assert all(BLOCKS[block].strip() for block in RUN)
+    assert all(len(BLOCKS[block].strip().splitlines()) == 1 for block in SIGNATURES)
 
 
-@pytest.mark.parametrize("section", RUN)
-def test_readme_section_runs(section, processes):
-    process, out, err = processes[section]
+def test_blocks_are_split_and_named_by_their_nearest_heading():
+    """Two blocks under one heading are two runs; a ### heading names its own blocks."""
+    markdown = ("# T\n```python\na = 1\n```\n## S\n### U\n```python\nb = 2\n```\n"
+                "```bash\nls\n```\n```python\nc = 3\n```\n")
+    assert python_blocks(markdown) == {"T": "a = 1", "U": "b = 2", "U (2)": "c = 3"}
+
+
+@pytest.mark.parametrize("block", RUN)
+def test_readme_block_runs_alone(block, processes):
+    process, out, err = processes[block]
     returncode = process.wait(timeout=600)
-    assert returncode == 0, f"{section!r} failed:\n{err.read_text()[-3000:]}"
-    assert PRINTS.get(section, "") in out.read_text().lower()
+    assert returncode == 0, f"{block!r} failed alone:\n{err.read_text()[-3000:]}"
+    assert PRINTS.get(block, "") in out.read_text().lower()
 
 
 def test_every_dotted_name_in_the_docs_imports_as_written():
