@@ -9,6 +9,7 @@ import pytest
 
 import jaxkv
 from jaxkv.core import checks
+from jaxkv.decoding import batching
 from jaxkv.front.stream import Text
 from tests.conftest import CONFIGS, ENCDEC_CONFIGS
 
@@ -406,6 +407,13 @@ def test_generate_many_takes_an_array_of_prompts(params):
     assert jaxkv.generate_many(params, jnp.array(prompts), 3) == want
     assert jaxkv.generate_many(params, list(np.array(prompts)), 3) == want
     assert jaxkv.generate(params, np.array(prompts), 3)[0].tolist() == want
+
+
+def test_an_array_of_prompts_is_counted_before_any_work(params, monkeypatch):
+    """Options given per prompt are checked against an array's rows up front, as a list's."""
+    monkeypatch.setattr(batching, "admit", lambda *a, **k: pytest.fail("admitted"))
+    with pytest.raises(ValueError, match="temperature"):
+        jaxkv.generate_many(params, np.array([[5, 6], [7, 8]]), 3, temperature=[0.5])
 
 
 @pytest.mark.parametrize("call, error, match", [

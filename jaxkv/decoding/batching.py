@@ -238,7 +238,8 @@ class Schedule:
             raise ValueError("generate_many: encoder-decoder models are not supported (their "
                              "rows need encoder inputs); use generate")
         batch_size = checks.int_arg(batch_size, "batch_size")
-        self.count = len(prompts) if isinstance(prompts, (list, tuple)) else None
+        self.count = len(prompts) if isinstance(prompts, (list, tuple, np.ndarray, jax.Array)) \
+            else None  # (an array's rows: sized checks it is [B, T])
         self.budgets, N = budget_list(max_new_tokens, self.count)
         self.N = checks.bucket_len(N)  # the answers' buffer: a new budget in its bucket reuses it
         self.prompts, self.capacity = sized(c, prompts, self.N, max_len)
