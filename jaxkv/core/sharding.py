@@ -47,10 +47,11 @@ def start_processes(coordinator: str | None = None, num_processes: int | None = 
     Every wait is bounded by timeout_s. Given a coordinator HOST:PORT, the processes first meet
     over a plain TCP connection to process 0 (which listens on PORT), so that one that never
     comes is an error of jaxkv's naming who waited for what (JAX's own wait would abort the
-    process from C++); then JAX joins them. A process that dies later makes every other one exit
-    within about timeout_s seconds with JAX's message naming it ("tasks are unhealthy (stopped
-    sending heartbeats)"), never hang; one that ends on an error waits as long for the others
-    at JAX's shutdown barrier, then all stop."""
+    process from C++); then JAX joins them. (Without one, the cluster's, JAX's own wait is
+    bounded by timeout_s, and ends in its abort.) A process that dies later makes every other
+    one exit within about timeout_s seconds with JAX's message naming it ("tasks are unhealthy
+    (stopped sending heartbeats)"), never hang; one that ends on an error waits as long for
+    the others at JAX's shutdown barrier, then all stop."""
     if not isinstance(timeout_s, int) or timeout_s < 1:
         raise ValueError(f"timeout_s must be a whole number of seconds >= 1, got {timeout_s!r}")
     if coordinator is not None:
