@@ -68,6 +68,22 @@ class _ShortPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+LAYERS = ("ops", "core", "models", "formats", "decoding", "front", "training")
+
+
+def submodules(package: str):
+    """A package's module __getattr__: its modules as attributes, each imported when first
+    used (jaxkv.core.decoder works after `import jaxkv` alone)."""
+    def __getattr__(name):
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{package}.{name}":
+                raise
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+    return __getattr__
+
+
 if not any(isinstance(f, _ShortPaths) for f in sys.meta_path):
     sys.meta_path.append(_ShortPaths())
 
@@ -79,6 +95,8 @@ def __getattr__(name):
                         "TRACE_COUNTS" if name == "trace_counts" else name)
     elif f"jaxkv.{name}" in SHORT_PATHS:
         value = importlib.import_module(SHORT_PATHS[f"jaxkv.{name}"])
+    elif name in LAYERS:  # jaxkv.core.decoder ... after `import jaxkv` alone
+        value = importlib.import_module(f"jaxkv.{name}")
     else:
         raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
     globals()[name] = value

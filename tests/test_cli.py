@@ -320,6 +320,15 @@ def test_eval_limit_is_refused_at_parsing(limit, capsys):
     assert "argument --limit: expected a whole number of documents" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value", [("--num-fewshot", "-1"), ("--batch-size", "0"),
+                                         ("--batch-size", "-3"), ("--num-fewshot", "two")])
+def test_eval_counts_are_refused_at_parsing(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parser().parse_args(["eval", "--tasks", "arc_easy", flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: expected a whole number >=" in capsys.readouterr().err
+
+
 def test_eval_limit_is_a_count_or_a_fraction():
     read = [cli.parser().parse_args(["eval", "--tasks", "t", "--limit", text]).limit
             for text in ("5", "0.25", "1")]

@@ -135,3 +135,13 @@ def test_every_dotted_name_in_the_docs_imports_as_written():
             except (ImportError, AttributeError):
                 missing.append(name)
     assert not missing, missing
+
+
+def test_the_layers_are_attributes_after_import_jaxkv_alone():
+    """`import jaxkv` then jaxkv.core.decoder.prefill_padded (as the docs write it) works in a
+    fresh interpreter, though jaxkv imports its names only when first used."""
+    code = ("import jaxkv; jaxkv.core.decoder.prefill_padded; jaxkv.decoding.batching.Schedule; "
+            "jaxkv.ops.arrays; jaxkv.formats.gguf; jaxkv.models.llama; jaxkv.front.cli")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -31,6 +31,19 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+def at_least(minimum: int):
+    """An argparse type: a whole number >= minimum."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
+        return value
+    return count
+
+
 def documents(text: str) -> int | float:
     """eval --limit: a count of documents (1, 2, ...) or a fraction of them in (0, 1), as
     lm-evaluation-harness reads it (a number >= 1 is a count, so 2.5 would be cut to 2)."""
@@ -85,8 +98,9 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--input", help='JSONL requests: {"prompt": ..., "id": ..., '
                                      '"max_new_tokens": ...} per line')
-    gen.add_argument("--output", help='JSONL answers {"id", "completion", "tokens"}, appended '
-                                      "as each ends; a rerun skips the ids answered")
+    gen.add_argument("--output", help='JSONL answers {"id", "completion", "tokens", "options"}, '
+                                      "appended as each ends; a rerun with the same options "
+                                      "skips the ids answered")
     gen.add_argument("--batch-size", type=int, default=16, help="rows decoded together (--input)")
     gen.add_argument("--logprobs", type=int, default=None, metavar="K",
                      help="(--input) write each token's log-probability and the K likeliest")
@@ -116,11 +130,11 @@ def add_eval_flags(ev) -> None:
     ev.add_argument("--model", help="as generate's --model (default: SmolLM2-135M-Instruct)")
     ev.add_argument("--tasks", required=True, help="comma-separated task names")
     ev.add_argument("--include-path", help="a folder of task YAML files (tasks of your own)")
-    ev.add_argument("--num-fewshot", type=int, default=None, help="the task's own when not given")
+    ev.add_argument("--num-fewshot", type=at_least(0), default=None, help="the task's own when not given")
     ev.add_argument("--limit", type=documents, default=None,
                     help="documents per task: a count, or a fraction of them when below 1; all "
                          "when not given")
-    ev.add_argument("--batch-size", type=int, default=16, help="contexts scored together")
+    ev.add_argument("--batch-size", type=at_least(1), default=16, help="contexts scored together")
     ev.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the weights' dtype")
     ev.add_argument("--seed", type=int, default=0, help="few-shot choice and sampling")

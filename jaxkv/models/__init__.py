@@ -2,8 +2,11 @@
 GGUF metadata) and weight name maps; this registry says which reads what. Adding a family is
 its file, a line here, and its tests; the format readers stay in checkpoint.py."""
 
+from jaxkv import submodules
 from jaxkv.models import gemma, gpt2, llama, mistral, qwen, t5, whisper
 from jaxkv.models.common import Family
+
+__getattr__ = submodules(__name__)
 
 # Hugging Face config.json "architectures"[0] -> its reader
 HF_ARCHITECTURES = {

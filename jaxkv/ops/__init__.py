@@ -14,6 +14,7 @@ import os
 
 import jax.numpy as jnp
 
+from jaxkv import submodules
 from jaxkv.ops.arrays import (HALF_DTYPES, HalfKV, Int8, Int8KV, PagedKV, half_kv, logical,
                                quantize_kv)
 from jaxkv.ops.target import on, platform, platform_of
@@ -21,6 +22,7 @@ from jaxkv.ops.xla import merge_parts
 
 BACKENDS = {"xla": "jaxkv.ops.xla", "cpu": "jaxkv.ops.cpu", "pallas": "jaxkv.ops.pallas"}
 BY_PLATFORM = {"cpu": "cpu", "gpu": "pallas", "tpu": "pallas"}  # by default, on each platform
+__getattr__ = submodules(__name__)  # jaxkv.ops.cpu ... imported when first used
 
 
 def backend_name() -> str:
