@@ -30,23 +30,24 @@ def tree_shape(M: int, D: int):
 
 
 def tree_mask(pos_B, nodes, anc_NN, capacity: int):
-    """mask_BTS for the tree nodes `nodes` (static indices) of rows whose root sits at pos_B:
-    the committed slots before the root, and the slots of each node's ancestors and itself."""
+    """mask_BTS for the tree nodes `nodes` (indices, static or traced) of rows whose root sits
+    at pos_B: the committed slots before the root, and the slots of each node's ancestors and
+    itself."""
     rel_BS = jnp.arange(capacity)[None, :] - pos_B[:, None]  # slot - root slot
     N = anc_NN.shape[0]
     in_tree_BS = (rel_BS >= 0) & (rel_BS < N)
-    anc_TN = jnp.asarray(anc_NN[np.asarray(nodes)])
+    anc_TN = jnp.asarray(anc_NN)[jnp.asarray(nodes)]
     reads_BTS = jnp.take(anc_TN, jnp.clip(rel_BS, 0, N - 1), axis=1).transpose(1, 0, 2)
     return (rel_BS < 0)[:, None, :] | (in_tree_BS[:, None, :] & reads_BTS)
 
 
 def tree_pass(params: Params, cache, tokens_BT, pos_B, nodes, M: int, D: int):
-    """Scores the tree nodes `nodes` (tokens [B, T]) of trees rooted at pos_B, reading the cache
-    as if each node sat at its tree slot but storing nothing: (logits [B, T, V], the nodes'
-    keys and values, L x [B, K, T, H], for cache.store)."""
+    """Scores the tree nodes `nodes` (tokens [B, T]; indices, static or traced) of trees rooted
+    at pos_B, reading the cache as if each node sat at its tree slot but storing nothing:
+    (logits [B, T, V], the nodes' keys and values, L x [B, K, T, H], for cache.store)."""
     depth_N, _, anc_NN = tree_shape(M, D)
-    nodes = np.asarray(nodes)
-    node_pos_BT = pos_B[:, None] + depth_N[nodes][None, :]
+    nodes = jnp.asarray(nodes)
+    node_pos_BT = pos_B[:, None] + jnp.asarray(depth_N)[nodes][None, :]
     slot_BT = pos_B[:, None] + nodes[None, :]
     mask_BTS = tree_mask(pos_B, nodes, anc_NN, cache.capacity)
     x_BTD, kv = cached_pass(params, cache, tokens_BT, node_pos_BT, slot_BT, mask_BTS,
@@ -122,12 +123,19 @@ def draft_chains(dparams: Params, dcache, prev_B, need_prev_B, pending_B, pos_B,
     # (top_k sorts the whole vocabulary on the CPU; argmax is one pass)
     first_BM = argmax(first_BV)[:, None] if M == 1 else jax.lax.top_k(first_BV, M)[1]
     chain_BMD = jnp.zeros((B, M, D), jnp.int32).at[:, :, 0].set(first_BM)
-    for d in range(1, D):
-        nodes = 1 + np.arange(M) * D + d - 1
-        logits_BMV, kv = tree_pass(dparams, dcache, chain_BMD[:, :, d - 1], pos_B, nodes, M, D)
-        dcache = store(dcache, kv, pos_B[:, None] + nodes[None, :])
-        chain_BMD = chain_BMD.at[:, :, d].set(argmax(logits_BMV))
-    return chain_BMD, dcache
+
+    # each chain's d-th token from its (d-1)-th, in a loop: the program (and its compile time)
+    # does not grow with D
+    def extend(d, carry):
+        chain_BMD, dcache = carry
+        nodes_M = 1 + jnp.arange(M) * D + d - 1
+        last_BM = jax.lax.dynamic_index_in_dim(chain_BMD, d - 1, axis=2, keepdims=False)
+        logits_BMV, kv = tree_pass(dparams, dcache, last_BM, pos_B, nodes_M, M, D)
+        dcache = store(dcache, kv, pos_B[:, None] + nodes_M[None, :])
+        next_BM1 = argmax(logits_BMV)[:, :, None]
+        return jax.lax.dynamic_update_slice_in_dim(chain_BMD, next_BM1, d, axis=2), dcache
+
+    return jax.lax.fori_loop(1, D, extend, (chain_BMD, dcache))
 
 
 # ---- verification -------------------------------------------------------------------------
