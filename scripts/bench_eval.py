@@ -22,6 +22,7 @@ Times are wall-clock seconds of the whole request list; jaxkv's is its second ru
 compiles; both recorded). Writes <out>.json and <out>.md naming the CPU.
 
   python scripts/bench_eval.py                      # 250 contexts: 1,000 requests (~5 min)
+  python scripts/bench_eval.py --parts prefix --prompts 64 --out results/cpu/<cpu>/bench_eval_prefix64
   python scripts/bench_eval.py --contexts 2 --context-len 16 --prompts 2 --prefix-len 32 \
       --question-len 4 --cache-tokens 512 --longest 128 --rows 4 --out /tmp/bench_eval
 """
@@ -132,24 +133,41 @@ def bench_memory(params, tokenizer, longest: int, rows: int) -> dict:
 
 
 def markdown(result) -> str:
-    r, p, m = result["loglikelihood"], result["prefix"], result["memory"]
-    return "\n".join([
-        f"# bench_eval on {result['cpu']}", "",
-        "| work | requests | jaxkv s (first) | lm-eval HF s | speed-up | max diff | greedy "
-        "equal |", "|---|--:|--:|--:|--:|--:|---|",
-        f"| loglikelihood, {r['contexts']} contexts of {r['context_len']} tokens x 4 choices | "
-        f"{r['requests']} | {r['jaxkv_s']:.2f} ({r['jaxkv_first_s']:.2f}) | {r['hf_s']:.2f} | "
-        f"{r['speedup']:.2f}x | {r['max_abs_diff']:.1e} | {r['greedy_equal']} |", "",
-        "| work | with the prefix cache s | without s | speed-up | answers equal |",
-        "|---|--:|--:|--:|---|",
-        f"| {p['prompts']} prompts: a {p['prefix_len']}-token prefix + {p['question_len']} "
-        f"tokens, 16 new | {p['with_s']:.1f} | {p['without_s']:.1f} | {p['speedup']:.2f}x | "
-        f"{p['answers_equal']} |", "",
-        "| work | paged pool slots | contiguous slots | fraction | answers equal |",
-        "|---|--:|--:|--:|---|",
-        f"| {m['rows']} rows, one of {m['longest']} tokens, the rest of 20-100 | "
-        f"{m['pool_slots']} | "
-        f"{m['contiguous_slots']} | {m['fraction']:.3f} | {m['answers_equal']} |", ""])
+    lines = [f"# bench_eval on {result['cpu']}", ""]
+    if "loglikelihood" in result:
+        r = result["loglikelihood"]
+        lines += [
+            "| work | requests | jaxkv s (first) | lm-eval HF s | speed-up | max diff | greedy "
+            "equal |", "|---|--:|--:|--:|--:|--:|---|",
+            f"| loglikelihood, {r['contexts']} contexts of {r['context_len']} tokens x 4 "
+            f"choices | {r['requests']} | {r['jaxkv_s']:.2f} ({r['jaxkv_first_s']:.2f}) | "
+            f"{r['hf_s']:.2f} | {r['speedup']:.2f}x | {r['max_abs_diff']:.1e} | "
+            f"{r['greedy_equal']} |", ""]
+    if "prefix" in result:
+        p = result["prefix"]
+        lines += [
+            "| work | with the prefix cache s | without s | speed-up | answers equal |",
+            "|---|--:|--:|--:|---|",
+            f"| {p['prompts']} prompts: a {p['prefix_len']}-token prefix + {p['question_len']} "
+            f"tokens, 16 new | {p['with_s']:.1f} | {p['without_s']:.1f} | {p['speedup']:.2f}x | "
+            f"{p['answers_equal']} |", ""]
+    if "memory" in result:
+        m = result["memory"]
+        lines += [
+            "| work | paged pool slots | contiguous slots | fraction | answers equal |",
+            "|---|--:|--:|--:|---|",
+            f"| {m['rows']} rows, one of {m['longest']} tokens, the rest of 20-100 | "
+            f"{m['pool_slots']} | {m['contiguous_slots']} | {m['fraction']:.3f} | "
+            f"{m['answers_equal']} |", ""]
+    return "\n".join(lines)
+
+
+PARTS = {
+    "loglikelihood": bench_loglikelihood,
+    "prefix": lambda args, params, tokenizer, path: bench_prefix(args, params, tokenizer),
+    "memory": lambda args, params, tokenizer, path: bench_memory(params, tokenizer,
+                                                                 args.longest, args.rows),
+}
 
 
 def main():
@@ -167,14 +185,14 @@ def main():
     ap.add_argument("--rows", type=int, default=64, help="the memory cell's rows")
     ap.add_argument("--model", default=None, help="a GGUF file or transformers directory "
                     "(default: jaxkv.default_model(), SmolLM2-135M-Instruct)")
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),
+                    help="which measurements to run")
     ap.add_argument("--out", default=f"{results_dir()}/bench_eval")
     args = ap.parse_args()
     path = args.model or jaxkv.default_model()
     params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)
-    result = dict(cpu=cpu_name(), model=os.path.basename(path),
-                  loglikelihood=bench_loglikelihood(args, params, tokenizer, path),
-                  prefix=bench_prefix(args, params, tokenizer),
-                  memory=bench_memory(params, tokenizer, args.longest, args.rows))
+    result = dict(cpu=cpu_name(), model=os.path.basename(path))
+    result.update((part, PARTS[part](args, params, tokenizer, path)) for part in args.parts)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(args.out + ".md", "w") as f:
