@@ -331,8 +331,6 @@ class Schedule:
         """Prompt i's ids, which must fit a row with its budget; its options must exist. name:
         what errors call the prompt (default prompts[i])."""
         name = name or self.name_of(i)
-        if np.size(ids) == 0:
-            raise ValueError(f"{name} is empty: every prompt needs a token")
         ids = np.asarray(checks.token_ids(self.config, ids, name, 1), np.int32)
         n, budget = ids.shape[0], self.budgets(i)
         if n + budget > self.capacity:
