@@ -20,9 +20,13 @@ GEMMA3_LIKE = jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=96, sliding_windo
                                  post_norms=True, scale_embeddings=True, activation="gelu_tanh",
                                  rope_theta=1e6, **TINY)
 
+# Gated units in blocks of 128 (gate_up_block), a vocabulary of whole blocks: every product of a
+# decode step takes a fused kernel on a GPU.
+FUSED = jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=128, **{**TINY, "vocab_size": 128})
+
 # Soft-capped scores (Gemma 2's): every layer takes jaxkv's kernel.
 CAPPED = jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=96, attn_softcap=2.0, **TINY)
-MODELS = {"gemma3_like": GEMMA3_LIKE, "capped": CAPPED, **CONFIGS}
+MODELS = {"gemma3_like": GEMMA3_LIKE, "capped": CAPPED, "fused": FUSED, **CONFIGS}
 
 
 @pytest.fixture(params=["gpu", "tpu"])
@@ -49,7 +53,7 @@ def kernel_calls(params, capacity, dtype=None, block_size=None) -> int:
     jaxpr = str(jax.make_jaxpr(jaxkv.decode_step)(params, cache, jnp.array([1, 2]),
                                                   jnp.array([3, 9])))
     ours = jaxpr.count("name=jaxkv_decode_attention\n")
-    assert ("pallas_call" in jaxpr) == (ours > 0)
+    assert ("name=jaxkv_decode" in jaxpr) == (ours > 0)
     return ours
 
 
@@ -148,7 +152,8 @@ def test_a_paged_batch_decodes_as_the_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("pallas_backend, name, kv_dtype", [
-    ("gpu", "llama_gqa", jnp.float32), ("gpu", "gemma3_like", jnp.int8),
+    ("gpu", "llama_gqa", jnp.float32), ("gpu", "gemma3_like", jnp.int8), ("gpu", "fused", None),
+    ("gpu", "gpt2", None),
     ("gpu", "capped", jnp.float32), ("tpu", "gemma3_like", jnp.int8)],
     indirect=["pallas_backend"])
 def test_models_decode_as_the_reference(pallas_backend, monkeypatch, name, kv_dtype):
@@ -254,3 +259,63 @@ def test_bfloat16_caches_take_the_mosaic_gpu_form_where_jax_has_it(form):
                                    softcap=softcap)
     np.testing.assert_allclose(out_BKGH.reshape(B, 1, K * G, H), want, atol=3e-3, rtol=0)
     np.testing.assert_allclose(lse_BKG.reshape(B, 1, K * G), want_lse, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_products_equal_the_reference(rows, dtype):
+    """A decode step's product in one kernel (jaxkv.ops.pallas.products) with a norm before it
+    (RMSNorm, LayerNorm with a bias), a bias, a gated activation and a residual after, as the
+    XLA reference computes them one by one: within float32's rounding, or 2 bfloat16 steps of
+    the largest output (the gated activation is computed in float32 from rounded operands)."""
+    from jaxkv.ops.pallas import products
+
+    I, O = 256, 64
+    keys = jax.random.split(jax.random.key(5), 6)
+    x, w, b, scale, shift = (jax.random.normal(k, shape).astype(dtype) for k, shape in zip(
+        keys, [(rows, I), (O, I), (O,), (I,), (I,)]))
+    w = w / 16
+    residual = jax.random.normal(keys[5], (rows, O)).astype(dtype)
+    norms = [None, (1 + scale / 4, None, "rmsnorm", 1e-6), (scale, shift, "layernorm", 1e-5)]
+    for norm in norms:
+        for gated in (None, ("silu", 16), ("gelu_tanh", 32)):
+            r = None if gated is None else residual[:, :O // 2]
+            got = products.product(x, w, b, dtype=dtype, norm=norm, gated=gated,
+                                   residual_RO=r, interpret=True)
+            y = xla.matmul((x if norm is None else xla.norm(x, *norm))[None], w, b)[0]
+            y = y if gated is None else xla.gated(y, *gated)
+            want = np.asarray((y if r is None else r + y).astype(jnp.float32))
+            tolerance = 1e-6 if dtype == jnp.float32 else 2 ** -6
+            np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=0,
+                                       atol=tolerance * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_gpu_decode_steps_layer_is_seven_kernels(monkeypatch, dtype):
+    """On a GPU a decode step's layer is its four products with their norms, activation and
+    residuals taken in, one XLA kernel making the queries and the step's own key and value, the
+    decode kernel and its merge, which stores that key and value in the cache (no write of
+    XLA's, no scatter) and writes the output in the model's dtype; the final norm goes into the
+    head's product. The step's logits and cache equal the XLA reference's (float32: 1e-5;
+    bfloat16: 2e-2, the products summing in another order)."""
+    monkeypatch.setenv("JAXKV_OPS", "pallas")
+    monkeypatch.setenv("JAXKV_PALLAS_INTERPRET", "1")
+    jax.clear_caches()
+    params = jaxkv.cast(jaxkv.init_params(FUSED, jax.random.key(3)), dtype)
+    cache = jaxkv.init_cache(params, 2, 32)
+    _, cache = jaxkv.prefill(params, cache, random_tokens(6, (2, 9)), [9, 4])
+    args = (params, cache, jnp.array([5, 6]), jnp.array([9, 4]))
+    jaxpr = str(jax.make_jaxpr(jaxkv.decode_step)(*args))
+    L = FUSED.n_layers
+    assert jaxpr.count("name=jaxkv_fused_product\n") == 4 * L + 1
+    assert jaxpr.count("name=jaxkv_decode_merge\n") == L
+    assert "scatter" not in jaxpr and "dynamic_update_slice" not in jaxpr
+    ours = jax.jit(jaxkv.decode_step)(*args)
+    monkeypatch.setenv("JAXKV_OPS", "xla")
+    jax.clear_caches()
+    want = jax.jit(jaxkv.decode_step)(*args)
+    jax.clear_caches()  # (traces made for the backends chosen above)
+    tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+    for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                   atol=tolerance)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxkv import ops
 from jaxkv.core import cache as cache_lib
 from jaxkv.core.attention import attend, attend_shared
-from jaxkv.core.layers import mlp, norm, rope, rope_frequencies, rope_turns
+from jaxkv.core.layers import mlp, norm, normed, rope, rope_frequencies, rope_turns
 
 
 def turns(config, pos_BT, local=False):
@@ -20,12 +20,14 @@ def turns(config, pos_BT, local=False):
     return rope_turns(pos_BT, rope_frequencies(config.head_dim, *config.rope(local)))
 
 
-def project_qkv(config, b, h_BTD, turns_BT):
-    """Queries [B, T, N, H], keys and values [B, T, K, H] from the fused wqkv; then per-head
-    norms of queries and keys (config.qk_norm) and RoPE (turns_BT, from `turns`; None: none)."""
-    B, T, _ = h_BTD.shape
+def project_qkv(config, b, x_BTD, turns_BT):
+    """Queries [B, T, N, H], keys and values [B, T, K, H] from the fused wqkv of x normed by
+    attn_norm; then per-head norms of queries and keys (config.qk_norm) and RoPE (turns_BT,
+    from `turns`; None: none)."""
+    B, T, _ = x_BTD.shape
     K, G, H = config.n_kv_heads, config.group_size, config.head_dim
-    y_BTKJH = ops.matmul(h_BTD, b.wqkv, b.bqkv).reshape(B, T, K, G + 2, H)
+    y_BTKJH = ops.matmul(x_BTD, b.wqkv, b.bqkv, norm=normed(config, b.attn_norm))
+    y_BTKJH = y_BTKJH.reshape(B, T, K, G + 2, H)
     q_BTNH = y_BTKJH[:, :, :, :G].reshape(B, T, K * G, H)
     k_BTKH, v_BTKH = y_BTKJH[:, :, :, G], y_BTKJH[:, :, :, G + 1]
     if config.qk_norm:
@@ -36,17 +38,18 @@ def project_qkv(config, b, h_BTD, turns_BT):
     return q_BTNH, k_BTKH, v_BTKH
 
 
-def project_out(b, o_BTNH):
-    """The attention output [B, T, N, H] projected back to the stream [B, T, D]."""
+def project_out(b, o_BTNH, x_BTD=None):
+    """The attention output [B, T, N, H] projected back to the stream [B, T, D] (+ x_BTD)."""
     B, T, N, H = o_BTNH.shape
-    return ops.matmul(o_BTNH.reshape(B, T, N * H), b.wo, b.bo, costly_x=True)
+    return ops.matmul(o_BTNH.reshape(B, T, N * H), b.wo, b.bo, costly_x=True, residual=x_BTD)
 
 
-def residual(config, x_BTD, y_BTD, out_norm):
-    """x + y, y normed by out_norm first where the model norms sublayer outputs (post_norms)."""
-    if config.post_norms:
-        y_BTD = norm(y_BTD, out_norm, config.norm, config.norm_eps)
-    return x_BTD + y_BTD
+def add_out(config, b, x_BTD, o_BTNH):
+    """x + the attention output projected, normed by attn_out_norm first where the model norms
+    sublayer outputs (post_norms)."""
+    if not config.post_norms:
+        return project_out(b, o_BTNH, x_BTD)
+    return x_BTD + norm(project_out(b, o_BTNH), b.attn_out_norm, config.norm, config.norm_eps)
 
 
 def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv=None,
@@ -62,31 +65,25 @@ def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv
     write=False leaves the cache as it was and returns this call's keys and values [B, K, T, H]
     in place of the cache's, for the caller to store where it chooses.
     """
-    h_BTD = norm(x_BTD, b.attn_norm, config.norm, config.norm_eps)
-    q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, h_BTD, turns_BT)
+    q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, x_BTD, turns_BT)
     k_BKTH, v_BKTH = jnp.swapaxes(k_BTKH, 1, 2), jnp.swapaxes(v_BTKH, 1, 2)
     scale, cap = config.attn_scale, config.attn_softcap
     if kv is None:
         o_BTNH = attend(q_BTNH, k_BKTH, v_BKTH, mask_BTS, scale, bias_BNTS, softcap=cap)
-        return residual(config, x_BTD, project_out(b, o_BTNH), b.attn_out_norm), (k_BKTH, v_BKTH)
+        return add_out(config, b, x_BTD, o_BTNH), (k_BKTH, v_BKTH)
     k_cache, v_cache, view = kv
     own = (k_BKTH, v_BKTH, view.own_mask_BTT,
            None if bias_BNTS is None else cache_lib.at_slots(bias_BNTS, view.slot_BT[:, None]))
-    out_BTNH, lse_BTN = ops.attention(q_BTNH, k_cache, v_cache, view.cache_mask_BTS, scale,
-                                      bias_BNTS=bias_BNTS, kv_len=view.kv_len, own=own,
-                                      softcap=cap, lengths=view.lengths_B)
+    dtype = x_BTD.dtype if prefix is None else None  # (merged with the prefix in float32)
+    out_BTNH, lse_BTN, *written = ops.attention(
+        q_BTNH, k_cache, v_cache, view.cache_mask_BTS, scale, bias_BNTS=bias_BNTS,
+        kv_len=view.kv_len, own=own, softcap=cap, lengths=view.lengths_B, dtype=dtype,
+        store_at=view.slot_BT if write else None)
     if prefix is not None:
         shared = attend_shared(q_BTNH, *prefix[:3], scale, prefix[3], cap)
         out_BTNH, _ = ops.merge_parts(out_BTNH, lse_BTN, *shared)
-    out_BTD = project_out(b, out_BTNH.astype(x_BTD.dtype))
-    if not write:
-        return residual(config, x_BTD, out_BTD, b.attn_out_norm), (k_BKTH, v_BKTH)
-    # The writes come after the reads and depend on them (+ 0 * output), which lets XLA update
-    # the cache in place; written while a read of it is pending, XLA copies the whole cache.
-    after_BT11 = 0 * out_BTNH[:, :, :1, :1]
-    k_BKSH = cache_lib.write(k_cache, k_BTKH + after_BT11, view.slot_BT)
-    v_BKSH = cache_lib.write(v_cache, v_BTKH + after_BT11, view.slot_BT)
-    return residual(config, x_BTD, out_BTD, b.attn_out_norm), (k_BKSH, v_BKSH)
+    out_BTD = add_out(config, b, x_BTD, out_BTNH.astype(x_BTD.dtype))
+    return out_BTD, (tuple(written) if write else (k_BKTH, v_BKTH))
 
 
 def cross_attention(config, c, x_BTD, k_BKMH, v_BKMH, mask_BM):
@@ -109,5 +106,7 @@ def cross_kv(config, c, states_BMD):
 
 def feed_forward(config, b, x_BTD):
     """MLP sublayer."""
-    y_BTD = mlp(norm(x_BTD, b.mlp_norm, config.norm, config.norm_eps), b, config)
-    return residual(config, x_BTD, y_BTD, b.mlp_out_norm)
+    if not config.post_norms:
+        return mlp(x_BTD, b, config, b.mlp_norm, x_BTD)
+    y_BTD = mlp(x_BTD, b, config, b.mlp_norm)
+    return x_BTD + norm(y_BTD, b.mlp_out_norm, config.norm, config.norm_eps)

@@ -13,7 +13,7 @@ from jaxkv.core import blocks, checks, encoder
 from jaxkv.core import cache as cache_lib
 from jaxkv.core.attention import causal_mask, relative_bias
 from jaxkv.core.cache import KVCache
-from jaxkv.core.layers import norm
+from jaxkv.core.layers import norm, normed
 from jaxkv.core.params import Params
 from jaxkv.core.tracecount import count_trace
 
@@ -75,11 +75,13 @@ def embed(params: Params, tokens_BT, pos_BT):
 def logits(params: Params, x_BTD):
     """Final norm and output head, in float32: [B, T, V] (soft-capped: config.logit_softcap)."""
     c = params.config
-    x_BTD = norm(x_BTD, params.final_norm, c.norm, c.norm_eps)
-    if c.rescale_logits:
-        x_BTD = x_BTD * c.d_model ** -0.5
     head_VD = params.embed if params.lm_head is None else params.lm_head
-    logits_BTV = ops.matmul(x_BTD, head_VD, dtype=jnp.float32)
+    if c.rescale_logits:
+        x_BTD = norm(x_BTD, params.final_norm, c.norm, c.norm_eps) * c.d_model ** -0.5
+        logits_BTV = ops.matmul(x_BTD, head_VD, dtype=jnp.float32)
+    else:
+        logits_BTV = ops.matmul(x_BTD, head_VD, dtype=jnp.float32,
+                                norm=normed(c, params.final_norm))
     if c.logit_softcap is not None:
         logits_BTV = c.logit_softcap * jnp.tanh(logits_BTV / c.logit_softcap)
     return logits_BTV

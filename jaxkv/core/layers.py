@@ -2,32 +2,23 @@
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import ops
 from jaxkv.core.config import Config
-from jaxkv.core.params import Norm, gate_up_block, split_gate_up
+from jaxkv.core.params import Norm, gate_up_block
 
-ACTIVATIONS = {
-    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "silu": jax.nn.silu,
-    "relu": jax.nn.relu,
-}
 
 
 def norm(x_BTD, p: Norm, kind: str, eps: float):
-    """LayerNorm or RMSNorm, computed in float32 and returned in x's dtype."""
-    x = x_BTD.astype(jnp.float32)
-    if kind == "layernorm":
-        x = x - x.mean(-1, keepdims=True)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps)
-    y = x * p.scale.astype(jnp.float32)
-    if p.bias is not None:
-        y = y + p.bias.astype(jnp.float32)
-    return y.astype(x_BTD.dtype)
+    """LayerNorm or RMSNorm, computed in float32 and returned in x's dtype (jaxkv.ops.norm)."""
+    return ops.norm(x_BTD, p.scale, p.bias, kind, eps)
+
+
+def normed(config: Config, p: Norm) -> tuple:
+    """What ops.matmul's `norm` takes of a norm's parameters p: x normed as `norm` would."""
+    return p.scale, p.bias, config.norm, config.norm_eps
 
 
 @functools.lru_cache(maxsize=64)
@@ -77,13 +68,14 @@ def rope(x_BTNH, turns):
     return out.astype(x_BTNH.dtype)
 
 
-def mlp(x_BTD, b, config: Config):
-    """Feed-forward of one block b: act(x W_in) W_out, or act(gate) * up when gated."""
-    act = ACTIVATIONS[config.activation]
-    h_BTF = ops.matmul(x_BTD, b.w_in, b.b_in)
+def mlp(x_BTD, b, config: Config, norm_p: Norm | None = None, residual_BTD=None):
+    """Feed-forward of one block b: act(x W_in) W_out, or act(gate) * up when gated; x normed by
+    norm_p first and residual_BTD added after, where given (in the products: see ops.matmul)."""
+    norm_x = None if norm_p is None else normed(config, norm_p)
     if config.gated_mlp:
-        gate_BTF, up_BTF = split_gate_up(h_BTF, gate_up_block(config.d_ff))
-        h_BTF = act(gate_BTF) * up_BTF
+        h_BTF = ops.matmul(x_BTD, b.w_in, b.b_in, norm=norm_x,
+                           gated=(config.activation, gate_up_block(config.d_ff)))
     else:
-        h_BTF = act(h_BTF)
-    return ops.matmul(h_BTF, b.w_out, b.b_out, costly_x=config.gated_mlp)
+        h_BTF = ops.ACTIVATIONS[config.activation](ops.matmul(x_BTD, b.w_in, b.b_in, norm=norm_x))
+    return ops.matmul(h_BTF, b.w_out, b.b_out, costly_x=config.gated_mlp,
+                      residual=residual_BTD)

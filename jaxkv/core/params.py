@@ -125,13 +125,6 @@ def gate_up_rows(gate, up):
                     axis=1).reshape(-1, *rest)
 
 
-def split_gate_up(h_XF2, t: int):
-    """(gate, up) [..., F] of the last axis of h [..., 2 F] in w_in's row order, blocks of t."""
-    blocks = h_XF2.reshape(*h_XF2.shape[:-1], -1, 2, t)
-    return (blocks[..., 0, :].reshape(*h_XF2.shape[:-1], -1),
-            blocks[..., 1, :].reshape(*h_XF2.shape[:-1], -1))
-
-
 def regroup_gate_up(params, t_was: int):
     """params whose gated w_in / b_in rows are in blocks of t_was (jaxkv.save before 2026-11
     wrote blocks of 1), in today's blocks of gate_up_block(d_ff)."""

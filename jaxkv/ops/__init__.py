@@ -15,10 +15,11 @@ import os
 import jax.numpy as jnp
 
 from jaxkv import submodules
+from jaxkv.ops import xla
 from jaxkv.ops.arrays import (HALF_DTYPES, HalfKV, Int8, Int8KV, PagedKV, half_kv, logical,
-                               quantize_kv)
+                               quantize_kv, write)
 from jaxkv.ops.target import on, platform, platform_of
-from jaxkv.ops.xla import merge_parts
+from jaxkv.ops.xla import ACTIVATIONS, merge_parts
 
 BACKENDS = {"xla": "jaxkv.ops.xla", "cpu": "jaxkv.ops.cpu", "pallas": "jaxkv.ops.pallas"}
 BY_PLATFORM = {"cpu": "cpu", "gpu": "pallas", "tpu": "pallas"}  # by default, on each platform
@@ -40,17 +41,42 @@ def backend():
     return importlib.import_module(BACKENDS[backend_name()])
 
 
-def matmul(x_BTI, w, b_O=None, *, dtype=None, costly_x: bool = False):
+def matmul(x_BTI, w, b_O=None, *, dtype=None, costly_x: bool = False, norm=None, gated=None,
+           residual=None):
     """x @ w.T (+ b): x [B, T, I]; w [O, I] float32, bfloat16 or Int8 (read as int8, never
     copied to float); b [O] or None. Accumulates in float32; the result has dtype (default
     x's). costly_x says the work that made x is more than a product should redo per row of w
-    (attention, a gated activation), for backends that fuse x's producers into the product."""
-    return backend().matmul(x_BTI, w, b_O, dtype, costly_x)
+    (attention, a gated activation), for backends that fuse x's producers into the product.
+
+    Around the product, in this order, and taken into its kernel where a backend can (the
+    Pallas backend for a decode step's few rows on a GPU): norm = (scale [I], bias [I] or None,
+    "rmsnorm" | "layernorm", eps) norms x first (as jaxkv.ops.norm, in x's dtype); gated =
+    (activation, t) gives act(gate) * up [B, T, O / 2] of the result, w's rows in blocks of t
+    gate rows then t up rows; residual [B, T, O'] is added last (residual + y)."""
+    fused = getattr(backend(), "fused_matmul", None)
+    if fused is not None and (norm or gated or residual is not None):
+        y_BTO = fused(x_BTI, w, b_O, dtype, norm, gated, residual)
+        if y_BTO is not None:
+            return y_BTO
+    if norm is not None:
+        x_BTI = xla.norm(x_BTI, *norm)
+    y_BTO = backend().matmul(x_BTI, w, b_O, dtype, costly_x)
+    if gated is not None:
+        y_BTO = xla.gated(y_BTO, *gated)
+    return y_BTO if residual is None else residual + y_BTO
+
+
+def norm(x_XD, scale_D, bias_D, kind: str, eps: float):
+    """LayerNorm ("layernorm") or RMSNorm ("rmsnorm") of x's last axis (scale, and bias or
+    None), computed in float32 and returned in x's dtype."""
+    return xla.norm(x_XD, scale_D, bias_D, kind, eps)
 
 
 def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, *, bias_BNTS=None, kv_len=None,
-              own=None, softcap=None, lengths=None):
-    """Grouped-query attention: (output [B, T, N, H], log-sum-exp [B, T, N]), both float32.
+              own=None, softcap=None, lengths=None, dtype=None, store_at=None):
+    """Grouped-query attention: (output [B, T, N, H] in dtype (default float32), log-sum-exp
+    [B, T, N] in float32); with store_at, (output, lse, keys, values) with own's keys and values
+    stored in the cache.
 
     Keys and values are [B, K, S, H] in any float dtype, HalfKV or Int8KV (whose scales
     multiply the scores and the softmax weights: the cache is never dequantized); G = N // K
@@ -64,11 +90,28 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, *, bias_BNTS=None,
     lengths[b]) (a decode step's), which a backend may read instead of the mask. A query with
     no visible key gets output 0 and lse -inf, never NaN. A PagedKV cache goes to a backend that
     reads pages (READS_PAGES) as it is; the others get it as its rows see it (arrays.logical).
+    store_at (optional, [B, T] slots): own's keys and values [B, K, T, H] are also written into
+    the cache there (arrays.write, after the cache is read), where a backend may store them from
+    its attention kernel.
     """
+    cache = (k_BKSH, v_BKSH)
     if isinstance(k_BKSH, PagedKV) and not backend().READS_PAGES:
         k_BKSH, v_BKSH = logical(k_BKSH), logical(v_BKSH)
-    return backend().attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
-                               softcap, lengths)
+    args = (q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own, softcap, lengths)
+    storing = getattr(backend(), "attention_storing", None)
+    if store_at is not None and storing is not None:
+        result = storing(*args, dtype, store_at)
+        if result is not None:
+            return result
+    out_BTNH, lse_BTN = backend().attention(*args)
+    if store_at is None:
+        return out_BTNH.astype(dtype or jnp.float32), lse_BTN
+    # The writes come after the reads and depend on them (+ 0 * output), which lets XLA update
+    # the cache in place; written while a read of it is pending, XLA copies the whole cache.
+    after_BT11 = 0 * out_BTNH[:, :, :1, :1]
+    k_new, v_new = (write(layer, jnp.swapaxes(new_BKTH, 1, 2) + after_BT11, store_at)
+                    for layer, new_BKTH in zip(cache, own[:2]))
+    return out_BTNH.astype(dtype or jnp.float32), lse_BTN, k_new, v_new
 
 
 def kv_layer(x_XH, dtype):
@@ -110,6 +153,6 @@ def prefill_chunk(w_qkv, rows: int, tokens: int) -> int:
     return backend().prefill_chunk(w_qkv, rows, tokens)
 
 
-__all__ = ["HALF_DTYPES", "HalfKV", "Int8", "Int8KV", "PagedKV", "attention", "backend",
-           "backend_name", "empty_kv_layer", "kv_layer", "matmul", "materialized", "merge_parts",
-           "on", "placed", "platform", "platform_of", "prefill_chunk"]
+__all__ = ["ACTIVATIONS", "HALF_DTYPES", "HalfKV", "Int8", "Int8KV", "PagedKV", "attention",
+           "backend", "backend_name", "empty_kv_layer", "kv_layer", "matmul", "materialized",
+           "merge_parts", "norm", "on", "placed", "platform", "platform_of", "prefill_chunk"]

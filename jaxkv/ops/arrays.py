@@ -132,3 +132,38 @@ def quantize_kv(x_XH) -> Int8KV:
 def dequantize_kv(x: Int8KV):
     """[..., H] float32: q * scale."""
     return x.q.astype(jnp.float32) * x.scale[..., None]
+
+
+def write(cache_BKSH, new_BTKH, slot_BT):
+    """Stores new_BTKH[b, t] at slot slot_BT[b, t] of row b; slots outside [0, S) are dropped.
+    An Int8KV cache stores them quantized, and their scales [B, K, S] the same way; a HalfKV
+    cache their bits; a PagedKV cache in the block its row's table names for the slot."""
+    if isinstance(cache_BKSH, PagedKV):
+        return _write_paged(cache_BKSH, new_BTKH, slot_BT)
+    rows_B1 = jnp.arange(cache_BKSH.shape[0])[:, None]
+    # Advanced indices around a slice: the indexed view is [B, T, K, ...], like the new values.
+    return _stored_as(cache_BKSH, new_BTKH, lambda x, new: x.at[rows_B1, :, slot_BT].set(
+        new.astype(x.dtype), mode="drop"))
+
+
+def _write_paged(cache: PagedKV, new_BTKH, slot_BT) -> PagedKV:
+    _, NB, P, _ = cache.pool.shape
+    M = cache.table.shape[1]
+    inside_BT = (slot_BT >= 0) & (slot_BT < M * P)
+    block_BT = jnp.take_along_axis(cache.table, jnp.clip(slot_BT // P, 0, M - 1), axis=1)
+    block_BT = jnp.where(inside_BT, block_BT, NB)  # NB: dropped
+    # Advanced indices on adjacent axes: the indexed view is [K, B, T, ...].
+    pool = _stored_as(cache.pool, new_BTKH, lambda x, new: x.at[:, block_BT, slot_BT % P].set(
+        jnp.moveaxis(new, 2, 0).astype(x.dtype), mode="drop"))
+    return cache.replace(pool=pool)
+
+
+def _stored_as(layer, new_BTKH, put):
+    """put(array, new values [B, T, K, ...]) applied to the arrays of the layer's stored form:
+    an Int8KV's int8 numbers and scales (new_BTKH quantized), a HalfKV's bits, or the array."""
+    if isinstance(layer, Int8KV):
+        new = quantize_kv(new_BTKH)
+        return Int8KV(put(layer.q, new.q), put(layer.scale, new.scale))
+    if isinstance(layer, HalfKV):
+        return layer.replace(bits=put(layer.bits, half_kv(new_BTKH, layer.dtype).bits))
+    return put(layer, new_BTKH)

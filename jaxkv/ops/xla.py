@@ -9,6 +9,12 @@ import jax.numpy as jnp
 from jaxkv.ops.arrays import Int8, Int8KV, dequantize_rows, quantize_kv
 from jaxkv.ops.target import platform
 
+ACTIVATIONS = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+}
 BLOCK = 256  # key slots per block when attention is bounded by the filled length
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass
 HALF_KV_BITS = False  # 16-bit float caches are arrays of their dtype
@@ -27,6 +33,28 @@ def matmul(x_BTI, w, b_O=None, dtype=None, costly_x=False):
         y_BTO = jnp.einsum("BTI,OI->BTO", x_BTI, w, preferred_element_type=jnp.float32)
     y_BTO = y_BTO if b_O is None else y_BTO + b_O
     return y_BTO.astype(dtype or x_BTI.dtype)
+
+
+def norm(x_XD, scale_D, bias_D, kind: str, eps: float):
+    """LayerNorm ("layernorm") or RMSNorm ("rmsnorm") of x's last axis, computed in float32 and
+    returned in x's dtype."""
+    x = x_XD.astype(jnp.float32)
+    if kind == "layernorm":
+        x = x - x.mean(-1, keepdims=True)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps)
+    y = x * scale_D.astype(jnp.float32)
+    if bias_D is not None:
+        y = y + bias_D.astype(jnp.float32)
+    return y.astype(x_XD.dtype)
+
+
+def gated(h_XF2, activation: str, t: int):
+    """act(gate) * up [..., F] of h [..., 2 F] in a gated w_in's row order: per block of t units,
+    their t gate outputs, then their t up outputs."""
+    blocks = h_XF2.reshape(*h_XF2.shape[:-1], -1, 2, t)
+    gate = blocks[..., 0, :].reshape(*h_XF2.shape[:-1], -1)
+    up = blocks[..., 1, :].reshape(*h_XF2.shape[:-1], -1)
+    return ACTIVATIONS[activation](gate) * up
 
 
 def int8_product(x_RI, w: Int8):

@@ -22,12 +22,11 @@ kernel would take each).
 
 import os
 
-import jax
 import jax.numpy as jnp
 
 from jaxkv.ops import xla
 from jaxkv.ops.arrays import Int8KV, PagedKV, dequantize_kv, logical
-from jaxkv.ops.pallas import decode, mosaic_gpu
+from jaxkv.ops.pallas import decode, mosaic_gpu, products
 from jaxkv.ops.target import platform as target_platform
 from jaxkv.ops.xla import materialized, merge_parts, placed, prefill_chunk  # noqa: F401
 
@@ -35,6 +34,22 @@ INTERPRET = {"1": "gpu", "gpu": "gpu", "tpu": "tpu"}  # JAXKV_PALLAS_INTERPRET -
 HALF_KV_BITS = False  # 16-bit float caches are arrays of their dtype, as the kernels read them
 READS_PAGES = True  # a decode step's kernel reads a PagedKV's pages through its table
 matmul = xla.matmul
+
+
+def fused_matmul(x_BTI, w, b_O, dtype, norm, gated, residual_BTO):
+    """jaxkv.ops.matmul with its norm, gated activation and residual in one kernel, for a decode
+    step's few rows on a GPU (jaxkv.ops.pallas.products says which); None where none fits."""
+    B, T, I = x_BTI.shape
+    x_RI = x_BTI.reshape(B * T, I)
+    if target_platform() == "tpu" or not products.takes(x_RI, w, gated):
+        return None
+    platform, interpret = target()
+    if platform != "gpu":
+        return None
+    residual_RO = None if residual_BTO is None else residual_BTO.reshape(B * T, -1)
+    y_RO = products.product(x_RI, w, b_O, dtype=dtype or x_BTI.dtype, norm=norm, gated=gated,
+                            residual_RO=residual_RO, interpret=interpret)
+    return y_RO.reshape(B, T, -1)
 
 
 def target() -> tuple[str, bool]:
@@ -56,6 +71,34 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv
               own=None, softcap=None, lengths=None):
     """jaxkv.ops.attention: a decode step (its cache and its own key) goes to a kernel (see the
     module's docstring); the rest to the XLA reference (a PagedKV cache as its rows see it)."""
+    split = _kernel_split(q_BTNH, k_BKSH, bias_BNTS, own)
+    if split is None:
+        if isinstance(k_BKSH, PagedKV):
+            k_BKSH, v_BKSH = logical(k_BKSH), logical(v_BKSH)
+        return xla.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
+                             softcap)
+    return _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, softcap, lengths,
+                          _own(k_BKSH, own), *split)
+
+
+def attention_storing(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS, kv_len, own,
+                      softcap, lengths, dtype, slot_BT):
+    """jaxkv.ops.attention with store_at = slot_BT, where the Triton form of the decode kernel
+    takes the step over a dense cache of q's float dtype read to `lengths`: its merge kernel
+    stores the step's own key and value and writes the output in dtype (no kernels of their
+    own for either); None elsewhere."""
+    split = _kernel_split(q_BTNH, k_BKSH, bias_BNTS, own)
+    if (split is None or lengths is None or own is None or isinstance(k_BKSH, PagedKV)
+            or not decode.stores(target()[0], q_BTNH, k_BKSH, split[1])):
+        return None
+    return _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, softcap, lengths,
+                          _own(k_BKSH, own), *split, dtype=dtype,
+                          store=(k_BKSH, v_BKSH, slot_BT[:, 0]))
+
+
+def _kernel_split(q_BTNH, k_BKSH, bias_BNTS, own):
+    """(k_splits, block_k) where a decode kernel takes this attention (one query per row, no
+    bias, a cache it reads), else None."""
     paged = isinstance(k_BKSH, PagedKV)
     split = _paged_split(k_BKSH) if paged else _split(k_BKSH.shape[2])
     platform = None if split is None else target()[0]
@@ -66,15 +109,18 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv
         split = _tpu_block(k_BKSH, split)
     if (q_BTNH.shape[1] != 1 or bias_BNTS is not None or (own is not None and own[3] is not None)
             or split is None):
-        if paged:
-            k_BKSH, v_BKSH = logical(k_BKSH), logical(v_BKSH)
-        return xla.attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, bias_BNTS, kv_len, own,
-                             softcap)
-    if own is not None:  # the step's own key and value as the cache will hold them
-        k_BK1H, v_BK1H, seen_B11 = xla.own_as_cache(k_BKSH.pool if paged else k_BKSH, own)[:3]
-        own = (_read(k_BK1H)[:, :, 0], _read(v_BK1H)[:, :, 0], seen_B11[:, 0, 0])
-    return _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale, kv_len, softcap, lengths,
-                          own, *split)
+        return None
+    return split
+
+
+def _own(k_BKSH, own):
+    """The step's own key and value as the cache will hold them and the kernels read them:
+    (k_BKH, v_BKH, seen_B), or None."""
+    if own is None:
+        return None
+    k_BK1H, v_BK1H, seen_B11 = xla.own_as_cache(k_BKSH.pool if isinstance(k_BKSH, PagedKV)
+                                                else k_BKSH, own)[:3]
+    return _read(k_BK1H)[:, :, 0], _read(v_BK1H)[:, :, 0], seen_B11[:, 0, 0]
 
 
 def _read(x):
@@ -121,10 +167,12 @@ def _paged_split(k: PagedKV):
 
 
 def _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softcap, lengths_B,
-                   own, k_splits: int, block_k: int):
+                   own, k_splits: int, block_k: int, dtype=None, store=None):
     """jaxkv's kernels: one query per row over the cache slots mask_BTS allows (below lengths_B,
     which then replaces the mask, else below kv_len) and own = (k_BKH, v_BKH, seen_B), the
-    step's own key, any cache form and soft-cap: (out [B, 1, N, H], lse [B, 1, N]), float32."""
+    step's own key, any cache form and soft-cap: (out [B, 1, N, H] in dtype (default float32),
+    lse [B, 1, N] float32); with store = (k_BKSH, v_BKSH, slot_B), the keys and values with
+    own's stored at slot_B after them (decode.attention says where)."""
     B, _, N, H = q_BTNH.shape
     K, S = k_BKSH.shape[1:3]
     if lengths_B is None:
@@ -136,8 +184,8 @@ def _decode_masked(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, kv_len, softc
     table_BM = None
     if isinstance(k_BKSH, PagedKV):
         k_BKSH, v_BKSH, table_BM = k_BKSH.pool, v_BKSH.pool, k_BKSH.table
-    out_BKGH, lse_BKG = decode.attention(
+    out_BKGH, lse_BKG, *stored = decode.attention(
         q_BTNH.reshape(B, K, N // K, H), k_BKSH, v_BKSH, scale, bound_B, mask_BS, softcap,
         target=platform, block_k=block_k, k_splits=k_splits, interpret=interpret,
-        table_BM=table_BM, own=own)
-    return out_BKGH.reshape(B, 1, N, H), lse_BKG.reshape(B, 1, N)
+        table_BM=table_BM, own=own, out_dtype=dtype or jnp.float32, store=store)
+    return out_BKGH.reshape(B, 1, N, H), lse_BKG.reshape(B, 1, N), *stored

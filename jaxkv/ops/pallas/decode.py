@@ -39,18 +39,28 @@ from jaxkv.ops.xla import softcapped
 MIN_ROWS = {"gpu": 16, "tpu": 8, "mosaic": mosaic_gpu.ROWS}
 
 
+def stores(target: str, q, k, block_k: int) -> bool:
+    """Whether attention takes `store` for this cache: the Triton form's (a GPU's, where the
+    Mosaic form does not take it) over a dense float cache of q's dtype."""
+    return (target == "gpu" and not isinstance(k, Int8KV) and k.dtype == q.dtype
+            and not mosaic_gpu.fits(k, block_k))
+
+
 def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softcap=None, *,
               target: str, block_k: int, k_splits: int = 1, interpret: bool = False,
-              table_BM=None, own=None):
+              table_BM=None, own=None, out_dtype=jnp.float32, store=None):
     """Softmax attention of one query per (row, query head) over the cache slots s < bound_B[b]
     with mask_BS[b, s] (all of them without a mask), and the step's own key where own = (k_BKH,
     v_BKH, seen_B) (float; seen_B: whether the row reads it): (out [B, K, G, H], lse [B, K, G]),
-    float32; a query that reads nothing gets 0 and -inf. Keys and values: [B, K, S, H] float
+    float32 (out in out_dtype); a query that reads nothing gets 0 and -inf. With store = (k_BKSH,
+    v_BKSH, slot_B) (where `stores` says), own's key and value are also stored at slot_B of
+    their row (dropped outside [0, S)) and the caches returned after. Keys and values:
+    [B, K, S, H] float
     arrays or Int8KV. target: "gpu" (S = k_splits parts of whole blocks of block_k slots, the
     parts and the own key merged after: the module's docstring says by what) or "tpu" (S whole
-    blocks; the own key merged by XLA). table_BM: keys and values are pools of pages [K, NB, block_k, H] (a PagedKV's), row
-    b's slot s in page table_BM[b, s // block_k] (S = M block_k; a page id of NB or more is
-    none: its slots must be past the bound or masked)."""
+    blocks; the own key merged by XLA). table_BM: keys and values are pools of pages [K, NB,
+    block_k, H] (a PagedKV's), row b's slot s in page table_BM[b, s // block_k] (S = M block_k;
+    a page id of NB or more is none: its slots must be past the bound or masked)."""
     G = q_BKGH.shape[2]
     quantized = isinstance(k_BKSH, Int8KV)
     numbers = k_BKSH.q if quantized else k_BKSH
@@ -67,7 +77,7 @@ def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softc
                                  interpret=interpret, table_BM=table_BM, queries=G)
         Q = parts[0].shape[3]
         out_BKRH, lse_BKR = _merge_own(parts, q_BKRH[:, :, :Q], own, scale, softcap)
-        return out_BKRH[:, :, :G], lse_BKR[:, :, :G]
+        return out_BKRH[:, :, :G].astype(out_dtype), lse_BKR[:, :, :G]
     cache = [k_BKSH.q, k_BKSH.scale, v_BKSH.q, v_BKSH.scale] if quantized else [k_BKSH, v_BKSH]
     # (Mosaic TPU cannot take a row of int8 out of its tiles: the mask is int32 there)
     cache += [] if mask_BS is None else [mask_BS.astype(jnp.int8 if target == "gpu" else
@@ -82,11 +92,20 @@ def attention(q_BKGH, k_BKSH, v_BKSH, scale: float, bound_B, mask_BS=None, softc
                                             jnp.ones_like(lse_BKR)[:, :, None]), q_BKRH, own,
                                            scale, softcap)
     else:
+        if own is not None and own[0].dtype == q_BKRH.dtype:
+            # The own key and value as rows R and R + 1 after the queries: one XLA kernel
+            # (RoPE's, where the model has it) makes what both of the form's kernels read.
+            B, K, R, H = q_BKRH.shape
+            q_BKRH = jnp.concatenate([q_BKRH, own[0][:, :, None], own[1][:, :, None],
+                                      jnp.zeros((B, K, R - 2, H), q_BKRH.dtype)], axis=2)
+            own = (None, None, own[2])
         parts = _on_gpu(block, bound_B, q_BKRH, cache, block_k=block_k, k_splits=k_splits,
-                        interpret=interpret, table_BM=table_BM)
-        out_BKRH, lse_BKR = _merge_on_gpu(*parts, q_BKRH, own, scale=scale, softcap=softcap,
-                                          interpret=interpret)
-    return out_BKRH[:, :, :G], lse_BKR[:, :, :G]
+                        interpret=interpret, table_BM=table_BM, rows=rows)
+        out_BKQH, lse_BKQ, *stored = _merge_on_gpu(
+            *parts, q_BKRH, own, G, scale=scale, softcap=softcap, interpret=interpret,
+            dtype=out_dtype, store=store)
+        return out_BKQH[:, :, :G], lse_BKQ[:, :, :G], *stored
+    return out_BKRH[:, :, :G].astype(out_dtype), lse_BKR[:, :, :G]
 
 
 def _merge_own(parts, q_BKRH, own, scale: float, softcap):
@@ -161,10 +180,12 @@ def _pool_specs(cache, part: int):
     return [spec(x) for x in cache]
 
 
-def _on_gpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret, table_BM=None):
+def _on_gpu(block, bound_B, q_BKPH, cache, *, block_k, k_splits, interpret, table_BM=None,
+            rows: int):
     """Programs over (row, kv head, part); each loops over its part's blocks below the bound
-    (with table_BM: pages of block_k slots, looked up in the row's table)."""
-    B, K, rows, H = q_BKRH.shape
+    (with table_BM: pages of block_k slots, looked up in the row's table); the queries are the
+    first `rows` of q_BKPH's P."""
+    B, K, _, H = q_BKPH.shape
     paged = table_BM is not None
     part = (table_BM.shape[1] * block_k if paged else cache[0].shape[2]) // k_splits
 
@@ -198,12 +219,12 @@ def _on_gpu(block, bound_B, q_BKRH, cache, *, block_k, k_splits, interpret, tabl
         out_shape=[jax.ShapeDtypeStruct((B, K, k_splits, rows, H), jnp.float32),
                    jax.ShapeDtypeStruct((B, K, k_splits, rows), jnp.float32),
                    jax.ShapeDtypeStruct((B, K, k_splits, rows), jnp.float32)],
-        interpret=interpret, name="jaxkv_decode_attention", compiler_params=_triton(),
-    )(bound_B, q_BKRH, *([table_BM] if paged else []), *cache)
+        interpret=interpret, name="jaxkv_decode_attention", compiler_params=triton_params(),
+    )(bound_B, q_BKPH, *([table_BM] if paged else []), *cache)
     return out_BKJRH, max_BKJR, total_BKJR
 
 
-def _triton():
+def triton_params():
     """Triton's compiler parameters: the GPU form is a Triton program (a pallas_call on a GPU
     lowers with Mosaic GPU unless told so, from jax 0.10)."""
     from jax.experimental.pallas import triton as pltriton  # (GPU programs alone)
@@ -296,32 +317,72 @@ def _reorder(state):
     return state[2], state[0], state[1]
 
 
-def _merge_on_gpu(out_BKJRH, max_BKJR, total_BKJR, q_BKRH, own, *, scale, softcap,
-                  interpret):
-    """The GPU form's parts (and the own key, with own) merged: one program per (row, kv
-    head)."""
+def _merge_on_gpu(out_BKJRH, max_BKJR, total_BKJR, q_BKPH, own, G: int, *, scale, softcap,
+                  interpret, dtype, store=None):
+    """The GPU form's parts (and the own key, with own = (k_BKH, v_BKH, seen_B), or (None, None,
+    seen_B) where they are rows R and R + 1 of q_BKPH) merged by one program per (row, kv
+    head): (out [B, K, Q, H] in dtype, lse [B, K, Q]) of the first Q query rows (G where it is a
+    power of 2, as Triton's blocks are, else all R); with store = (k_BKSH, v_BKSH, slot_B), the
+    same programs store own's key and value at slot_B of their row, and the caches follow."""
     B, K, J, R, H = out_BKJRH.shape
+    Q = G if G & (G - 1) == 0 else R
+    packed = own is not None and own[0] is None
 
     def kernel(acc_ref, max_ref, total_ref, *refs):
-        own_R = v_H = None
+        own_Q = k_H = v_H = None
         if own is not None:
-            q_ref, k_ref, v_ref, seen_ref, *refs = refs
-            own_R = own_score(q_ref[...], k_ref[...], seen_ref[()] != 0, scale, softcap)
-            v_H = v_ref[...]
-        out_ref, lse_ref = refs
-        out_ref[...], lse_ref[...] = merge(acc_ref[...], max_ref[...], total_ref[...], own_R,
-                                            v_H)
+            q_ref, *refs = refs
+            if packed:
+                kv_ref, seen_ref, *refs = refs
+                k_H, v_H = kv_ref[0], kv_ref[1]
+            else:
+                k_ref, v_ref, seen_ref, *refs = refs
+                k_H, v_H = k_ref[...], v_ref[...]
+            own_Q = own_score(q_ref[...], k_H, seen_ref[()] != 0, scale, softcap)
+        if store is not None:
+            slot_ref, _, _, *refs = refs  # (the caches, aliased to the last two outputs)
+        out_ref, lse_ref, *caches = refs
+        out_QH, lse_ref[...] = merge(acc_ref[...], max_ref[...], total_ref[...], own_Q, v_H)
+        out_ref[...] = out_QH.astype(out_ref.dtype)
+        if store is not None:
+            _store_at(caches, (k_H, v_H), slot_ref[()])
 
     each = lambda *shape: pl.BlockSpec((None, None, *shape),  # noqa: E731
                                        lambda b, k: (b, k) + (0,) * len(shape))
-    owns = [] if own is None else [q_BKRH, own[0], own[1], own[2].astype(jnp.int32)]
-    own_specs = [] if own is None else [each(R, H), each(H), each(H),
-                                        pl.BlockSpec((None,), lambda b, k: (b,))]
+    by_row = pl.BlockSpec((None,), lambda b, k: (b,))
+    inputs = [out_BKJRH, max_BKJR, total_BKJR]
+    specs = [each(J, Q, H), each(J, Q), each(J, Q)]
+    if packed:
+        inputs += [q_BKPH, q_BKPH, own[2].astype(jnp.int32)]
+        specs += [each(Q, H), pl.BlockSpec((None, None, 2, H), lambda b, k: (b, k, R // 2, 0)),
+                  by_row]
+    elif own is not None:
+        inputs += [q_BKPH, own[0], own[1], own[2].astype(jnp.int32)]
+        specs += [each(Q, H), each(H), each(H), by_row]
+    outputs = [jax.ShapeDtypeStruct((B, K, Q, H), dtype),
+               jax.ShapeDtypeStruct((B, K, Q), jnp.float32)]
+    out_specs = [each(Q, H), each(Q)]
+    aliases = {}
+    if store is not None:
+        S = store[0].shape[2]
+        aliases = {len(inputs) + 1: 2, len(inputs) + 2: 3}
+        inputs += [store[2].astype(jnp.int32), store[0], store[1]]
+        specs += [by_row, each(S, H), each(S, H)]
+        outputs += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in store[:2]]
+        out_specs += [each(S, H), each(S, H)]
     return pl.pallas_call(
-        kernel, grid=(B, K),
-        in_specs=[each(J, R, H), each(J, R), each(J, R), *own_specs],
-        out_specs=[each(R, H), each(R)],
-        out_shape=[jax.ShapeDtypeStruct((B, K, R, H), jnp.float32),
-                   jax.ShapeDtypeStruct((B, K, R), jnp.float32)],
-        interpret=interpret, name="jaxkv_decode_merge", compiler_params=_triton(),
-    )(out_BKJRH, max_BKJR, total_BKJR, *owns)
+        kernel, grid=(B, K), in_specs=specs, out_specs=out_specs, out_shape=outputs,
+        input_output_aliases=aliases, interpret=interpret, name="jaxkv_decode_merge",
+        compiler_params=triton_params(),
+    )(*inputs)
+
+
+def _store_at(caches, rows, slot):
+    """rows [H] stored at slot of the [S, H] caches; nothing stored where slot is outside."""
+    from jax.experimental.pallas import triton as pltriton  # (GPU programs alone)
+
+    S, H = caches[0].shape
+    inside = jnp.full((1, H), (slot >= 0) & (slot < S))
+    at = (pl.ds(jnp.clip(slot, 0, S - 1), 1), slice(None))
+    for cache_ref, x_H in zip(caches, rows):
+        pltriton.store(cache_ref.at[at], x_H[None, :].astype(cache_ref.dtype), mask=inside)
