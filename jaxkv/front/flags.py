@@ -130,7 +130,8 @@ def add_eval_flags(ev) -> None:
     ev.add_argument("--model", help="as generate's --model (default: SmolLM2-135M-Instruct)")
     ev.add_argument("--tasks", required=True, help="comma-separated task names")
     ev.add_argument("--include-path", help="a folder of task YAML files (tasks of your own)")
-    ev.add_argument("--num-fewshot", type=at_least(0), default=None, help="the task's own when not given")
+    ev.add_argument("--num-fewshot", type=at_least(0), default=None,
+                    help="the task's own when not given")
     ev.add_argument("--limit", type=documents, default=None,
                     help="documents per task: a count, or a fraction of them when below 1; all "
                          "when not given")

@@ -19,6 +19,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkv.ops.pallas.softmax import online_softmax
 from jaxkv.ops.xla import softcapped
 
+# Whether this jax has Mosaic GPU's interpreter, from 0.11: the jax whose Triton form is deprecated
+AVAILABLE = hasattr(plgpu, "InterpretGPUParams")
 ROWS = 64  # a warpgroup's product takes 64 rows
 BLOCK = 64  # slots: a block is a product's operand too
 WGMMA = plgpu.Layout.WGMMA
@@ -29,7 +31,7 @@ def takes(k) -> bool:
     float numbers [..., H], H a multiple of 64, on a jax whose Pallas has Mosaic GPU's
     interpreter (0.11 and newer)."""
     return (jnp.dtype(k.dtype) in (jnp.bfloat16, jnp.float16) and k.shape[-1] % 64 == 0
-            and hasattr(plgpu, "InterpretGPUParams"))
+            and AVAILABLE)
 
 
 def fits(k, block_k: int) -> bool:

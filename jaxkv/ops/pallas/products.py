@@ -23,31 +23,26 @@ from jax.experimental import pallas as pl
 
 from jaxkv.ops import xla
 from jaxkv.ops.arrays import Int8
+from jaxkv.ops.pallas import mosaic_gpu
 from jaxkv.ops.pallas.decode import triton_params
 
 ROWS = (1, 2, 4, 8)  # rows (batch x tokens) a program takes
 OUT_BLOCK = 16  # outputs per program (gated: units, each a gate and an up row of w)
-ELEMENTS = 8192  # rows x outputs x inputs multiplied in one step of a program's loop
+IN_BLOCKS = (256, 128, 64, 32, 16)  # inputs per step of a program's loop: the largest of these
 FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def takes(x_RI, w, gated) -> bool:
     """Whether a kernel takes x [R, I] @ w.T: float w [O, I] of x's dtype, R in ROWS, I and
-    the outputs (gated: units, and t) whole blocks."""
+    the outputs (gated: units, and t) whole blocks, on a jax whose Triton form is not deprecated
+    (before 0.11: this form has no Mosaic GPU twin yet)."""
     R, I = x_RI.shape
-    if isinstance(w, Int8) or w.ndim != 2:
+    if mosaic_gpu.AVAILABLE or isinstance(w, Int8) or w.ndim != 2:
         return False
     outputs = w.shape[0] // 2 if gated else w.shape[0]
     return (R in ROWS and jnp.dtype(w.dtype) in FLOATS and w.dtype == x_RI.dtype
-            and I % _in_block(R, I) == 0 and I >= 16 and outputs % OUT_BLOCK == 0
+            and I % IN_BLOCKS[-1] == 0 and outputs % OUT_BLOCK == 0
             and (gated is None or gated[1] % OUT_BLOCK == 0))
-
-
-def _in_block(R: int, I: int) -> int:
-    block = ELEMENTS // (R * OUT_BLOCK)
-    while I % block:
-        block //= 2
-    return block
 
 
 def product(x_RI, w_OI, b_O=None, *, dtype, norm=None, gated=None, residual_RO=None,
@@ -66,7 +61,7 @@ def product(x_RI, w_OI, b_O=None, *, dtype, norm=None, gated=None, residual_RO=N
     kernel = functools.partial(
         _kernel, has=has, kind=None if norm is None else norm[2],
         eps=None if norm is None else norm[3], gated=gated, dtype=jnp.dtype(dtype),
-        in_block=_in_block(R, I))
+        in_block=next(n for n in IN_BLOCKS if I % n == 0))
     whole = lambda x: pl.BlockSpec(x.shape, lambda j: (0,) * x.ndim)  # noqa: E731
     return pl.pallas_call(
         kernel, grid=(O // OUT_BLOCK,),
@@ -78,6 +73,8 @@ def product(x_RI, w_OI, b_O=None, *, dtype, norm=None, gated=None, residual_RO=N
 
 
 def _kernel(x_ref, w_ref, *refs, has, kind, eps, gated, dtype, in_block):
+    """Program j: its outputs for every row, each row's sums in the same order whatever the
+    number of rows (a row's result does not depend on the batch it is in)."""
     refs = list(refs)
     take = lambda flag: refs.pop(0) if has[flag] else None  # noqa: E731
     b_ref, scale_ref, shift_ref = take("bias"), take("norm"), take("norm_bias")
@@ -86,36 +83,37 @@ def _kernel(x_ref, w_ref, *refs, has, kind, eps, gated, dtype, in_block):
     R, I = x_ref.shape
     steps = I // in_block
     chunk = functools.partial(_chunk, in_block=in_block)
-
-    normed = None
+    rows = [functools.partial(lambda r, c: chunk(x_ref, r, c=c), r) for r in range(R)]
     if kind is not None:
-        normed = _norm_of_rows(x_ref, scale_ref, shift_ref, kind, eps, chunk, steps)
+        rows = [_normed(row, I, scale_ref, shift_ref, kind, eps, chunk, steps, x_ref.dtype)
+                for row in rows]
     starts = _row_starts(j, gated)
 
     def step(c, accs):
-        x_RC = normed(c) if normed else chunk(x_ref, c)
-        return tuple(acc + jnp.sum(x_RC[:, None, :] * chunk(w_ref, c, pl.ds(s, OUT_BLOCK)),
-                                   axis=2)
-                     for acc, s in zip(accs, starts))
+        w_OCs = [chunk(w_ref, pl.ds(s, OUT_BLOCK), c=c) for s in starts]
+        return tuple(tuple(acc + jnp.sum(row(c)[None, :] * w_OC, axis=1)
+                           for acc, w_OC in zip(row_accs, w_OCs))
+                     for row, row_accs in zip(rows, accs))
 
-    zeros = jnp.zeros((R, OUT_BLOCK), jnp.float32)
-    accs = jax.lax.fori_loop(0, steps, step, (zeros,) * len(starts))
-    if b_ref is not None:
-        accs = tuple(acc + b_ref[pl.ds(s, OUT_BLOCK)].astype(jnp.float32)[None, :]
-                     for acc, s in zip(accs, starts))
-    ys = [acc.astype(dtype).astype(jnp.float32) for acc in accs]
-    y = ys[0]
-    if gated:
-        y = (xla.ACTIVATIONS[gated[0]](ys[0]) * ys[1]).astype(dtype).astype(jnp.float32)
-    if residual_ref is not None:
-        y = y + residual_ref[:, pl.ds(j * OUT_BLOCK, OUT_BLOCK)].astype(jnp.float32)
-    out_ref[...] = y.astype(dtype)
+    zeros = (jnp.zeros((OUT_BLOCK,), jnp.float32),) * len(starts)
+    accs = jax.lax.fori_loop(0, steps, step, (zeros,) * R)
+    for r, row_accs in enumerate(accs):
+        if b_ref is not None:
+            row_accs = [acc + b_ref[pl.ds(s, OUT_BLOCK)].astype(jnp.float32)
+                        for acc, s in zip(row_accs, starts)]
+        ys = [acc.astype(dtype).astype(jnp.float32) for acc in row_accs]
+        y = ys[0]
+        if gated:
+            y = (xla.ACTIVATIONS[gated[0]](ys[0]) * ys[1]).astype(dtype).astype(jnp.float32)
+        if residual_ref is not None:
+            y = y + residual_ref[r, pl.ds(j * OUT_BLOCK, OUT_BLOCK)].astype(jnp.float32)
+        out_ref[r, :] = y.astype(dtype)
 
 
-def _chunk(ref, c, *rows, in_block):
-    """ref's inputs [c in_block, (c + 1) in_block) (of its rows `rows`, default all) in float32."""
-    rows = rows or (slice(None),) * (ref.ndim - 1)
-    return ref[(*rows, pl.ds(c * in_block, in_block))].astype(jnp.float32)
+def _chunk(ref, *at, c, in_block):
+    """ref[at] (default all its rows) at inputs [c in_block, (c + 1) in_block), in float32."""
+    at = at or (slice(None),) * (ref.ndim - 1)
+    return ref[(*at, pl.ds(c * in_block, in_block))].astype(jnp.float32)
 
 
 def _row_starts(j, gated):
@@ -129,22 +127,19 @@ def _row_starts(j, gated):
     return gate, gate + t
 
 
-def _norm_of_rows(x_ref, scale_ref, shift_ref, kind, eps, chunk, steps):
-    """A function of a step c giving x's chunk c normed as jaxkv.ops.xla.norm norms it, rounded
-    to x's dtype; each row's mean (LayerNorm) and reciprocal deviation are summed first."""
-    R, I = x_ref.shape
+def _normed(row, I: int, scale_ref, shift_ref, kind, eps, chunk, steps, dtype):
+    """row (a function of a step c giving x's chunk c of one row) normed as jaxkv.ops.xla.norm
+    norms it, rounded to x's dtype: the row's mean (LayerNorm) and deviation summed first."""
     total = lambda f: jax.lax.fori_loop(  # noqa: E731
-        0, steps, lambda c, s: s + jnp.sum(f(chunk(x_ref, c)), axis=1),
-        jnp.zeros((R,), jnp.float32))
-    mean_R = total(lambda x: x) / I if kind == "layernorm" else jnp.zeros((R,), jnp.float32)
-    centred = lambda x: x - mean_R[:, None]  # noqa: E731
-    inverse_R = jax.lax.rsqrt(total(lambda x: centred(x) * centred(x)) / I + eps)
+        0, steps, lambda c, s: s + jnp.sum(f(row(c))), jnp.zeros((), jnp.float32))
+    mean = total(lambda x: x) / I if kind == "layernorm" else 0.0
+    inverse = jax.lax.rsqrt(total(lambda x: (x - mean) * (x - mean)) / I + eps)
 
     def normed(c):
-        y = centred(chunk(x_ref, c)) * inverse_R[:, None] * chunk(scale_ref, c)[None, :]
+        y = (row(c) - mean) * inverse * chunk(scale_ref, c=c)
         if shift_ref is not None:
-            y = y + chunk(shift_ref, c)[None, :]
-        return y.astype(x_ref.dtype).astype(jnp.float32)
+            y = y + chunk(shift_ref, c=c)
+        return y.astype(dtype).astype(jnp.float32)
     return normed
 
 
