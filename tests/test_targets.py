@@ -110,6 +110,43 @@ def test_a_tiny_models_programs_compile(target, kv):
             text = compiled.as_text()
             assert KERNEL_CALL[target] in text or "jaxkv_decode_attention" in text
             assert step_counts(text, ops.platform_of(device))["host_syncs"] == 0
+            if target == "h100":  # the products fused (jax 0.10), the cache stored by the merge
+                assert ("jaxkv_fused_product" in text) == (not mosaic_gpu.AVAILABLE)
+                assert ("dynamic-update-slice(" in text or "scatter(" in text) == (kv == "int8")
+
+
+PRODUCTS = {  # name: (rows, dtype, options of products.product)
+    "rmsnorm_gated": (1, jnp.bfloat16, {"norm": "rmsnorm", "gated": ("silu", 128)}),
+    "layernorm_bias": (8, jnp.bfloat16, {"norm": "layernorm", "bias": True}),
+    "residual": (2, jnp.bfloat16, {"residual": True}),
+    "float32_gelu": (4, jnp.float32, {"gated": ("gelu_tanh", 16)}),
+}
+
+
+@pytest.mark.parametrize("form", sorted(PRODUCTS))
+def test_each_fused_product_compiles_for_an_h100(form):
+    """The decode step's products with their norm, bias, gated activation or residual in one
+    kernel (jaxkv.ops.pallas.products; Triton's form, the one jax 0.10 takes) compile for an
+    H100, 1 to 8 rows, bfloat16 and float32."""
+    from jaxkv.ops.pallas import products
+
+    R, dtype, options = PRODUCTS[form]
+    I, O = 256, 512
+    device = target_devices("h100")[0]
+    kind = options.get("norm")
+    args = [_sds((R, I), dtype), _sds((O, I), dtype), _sds((O,), dtype), _sds((I,), dtype),
+            _sds((I,), dtype), _sds((R, O // 2 if options.get("gated") else O), dtype)]
+
+    def product(x, w, b, scale, shift, residual):
+        norm = None if kind is None else (scale, shift if kind == "layernorm" else None, kind,
+                                          1e-5)
+        return products.product(x, w, b if options.get("bias") else None, dtype=dtype,
+                                norm=norm, gated=options.get("gated"),
+                                residual_RO=residual if options.get("residual") else None)
+
+    with ops.on(device):
+        compiled, *_ = compile_one(product, args, (), device)
+    assert "jaxkv_fused_product" in compiled.as_text()
 
 
 def test_the_script_writes_its_table(tmp_path):
