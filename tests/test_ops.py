@@ -112,3 +112,73 @@ def test_decoding_agrees_across_backends(xla_backend, monkeypatch, kv_dtype):
     tokens_cpu, lengths_cpu = jaxkv.generate(params, prompts, 12, kv_dtype=kv_dtype)
     np.testing.assert_array_equal(tokens_xla, tokens_cpu)
     np.testing.assert_array_equal(lengths_xla, lengths_cpu)
+
+
+def _on_backend(monkeypatch, name):
+    """JAXKV_OPS=name (pallas: its GPU kernels interpreted), traces made anew."""
+    monkeypatch.setenv("JAXKV_OPS", name)
+    monkeypatch.setenv("JAXKV_PALLAS_INTERPRET", "1")
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu", "pallas"])
+@pytest.mark.parametrize("rows", [2, 3])
+def test_matmul_takes_a_norm_an_activation_and_a_residual(monkeypatch, backend, rows):
+    """ops.matmul's norm, gated and residual, on every backend (the Pallas one in one kernel
+    where its products take the rows: 2 here, not 3), as the norm, the product, act(gate) * up
+    and the sum computed one by one."""
+    keys = jax.random.split(jax.random.key(9), 6)
+    x, scale, shift, b = (jax.random.normal(k, s) for k, s in zip(
+        keys, [(1, rows, 64), (64,), (64,), (64,)]))
+    w = jax.random.normal(keys[4], (64, 64)) / 8
+    residual = jax.random.normal(keys[5], (1, rows, 32))
+    norm = (1 + scale / 4, shift, "layernorm", 1e-5)
+    h = xla.norm(x, *norm)
+    y = jnp.einsum("BTI,OI->BTO", h, w, precision="highest") + b
+    want = residual + xla.gated(y, "silu", 16)
+    _on_backend(monkeypatch, backend)
+
+    def fused(x, w, b, scale, shift, residual):
+        return ops.matmul(x, w, b, norm=(scale, shift, "layernorm", 1e-5), gated=("silu", 16),
+                          residual=residual)
+    args = (x, w, b, norm[0], shift, residual)
+    kernels = str(jax.make_jaxpr(fused)(*args)).count("name=jaxkv_fused_product")
+    got = jax.jit(fused)(*args)
+    jax.clear_caches()
+    from jaxkv.ops.pallas import mosaic_gpu
+    assert kernels == (backend == "pallas" and rows == 2 and not mosaic_gpu.AVAILABLE)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu", "pallas"])
+def test_attention_stores_its_own_keys_where_asked(monkeypatch, backend):
+    """ops.attention(store_at=slots): the output as without it, and the cache with the step's
+    own keys and values at each row's slot (one outside the cache dropped), as arrays.write
+    stores them; on the Pallas backend the decode kernel's merge stores them."""
+    from jaxkv.ops.arrays import write
+
+    B, K, G, S, H = 3, 2, 2, 32, 16
+    keys = jax.random.split(jax.random.key(4), 5)
+    q = jax.random.normal(keys[0], (B, 1, K * G, H))
+    k_cache, v_cache = (jax.random.normal(k, (B, K, S, H)) for k in keys[1:3])
+    own_k, own_v = (jax.random.normal(k, (B, K, 1, H)) for k in keys[3:5])
+    lengths = jnp.array([5, 17, 32])  # row 2's slot is past the cache: dropped
+    mask = jnp.arange(S)[None, None] < lengths[:, None, None]
+    own = (own_k, own_v, jnp.ones((B, 1, 1), bool), None)
+    _on_backend(monkeypatch, backend)
+
+    def storing(q, k_cache, v_cache, mask, lengths):
+        return ops.attention(q, k_cache, v_cache, mask, 0.25, own=own, lengths=lengths,
+                             store_at=lengths[:, None])
+    args = (q, k_cache, v_cache, mask, lengths)
+    writes = "scatter" in str(jax.make_jaxpr(storing)(*args))
+    out, lse, k_new, v_new = jax.jit(storing)(*args)
+    plain = jax.jit(lambda *a: ops.attention(*a[:4], 0.25, own=own, lengths=a[4]))(
+        q, k_cache, v_cache, mask, lengths)
+    jax.clear_caches()
+    assert writes == (backend != "pallas")  # (the Pallas backend's merge kernel stores them)
+    np.testing.assert_array_equal(out, plain[0])
+    np.testing.assert_array_equal(lse, plain[1])
+    for new, cache, mine in ((k_new, k_cache, own_k), (v_new, v_cache, own_v)):
+        want = write(cache, jnp.swapaxes(mine, 1, 2), lengths[:, None])
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(want))

@@ -10,7 +10,6 @@ from jaxkv.core.config import Config
 from jaxkv.core.params import Norm, gate_up_block
 
 
-
 def norm(x_BTD, p: Norm, kind: str, eps: float):
     """LayerNorm or RMSNorm, computed in float32 and returned in x's dtype (jaxkv.ops.norm)."""
     return ops.norm(x_BTD, p.scale, p.bias, kind, eps)

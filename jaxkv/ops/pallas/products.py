@@ -34,14 +34,15 @@ FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def takes(x_RI, w, gated) -> bool:
     """Whether a kernel takes x [R, I] @ w.T: float w [O, I] of x's dtype, R in ROWS, I and
-    the outputs (gated: units, and t) whole blocks, on a jax whose Triton form is not deprecated
-    (before 0.11: this form has no Mosaic GPU twin yet)."""
+    the outputs (gated: units, and t) whole blocks, fewer than 2^31 numbers in w (Triton's
+    offsets are int32), on a jax whose Triton form is not deprecated (before 0.11: this form
+    has no Mosaic GPU twin yet)."""
     R, I = x_RI.shape
     if mosaic_gpu.AVAILABLE or isinstance(w, Int8) or w.ndim != 2:
         return False
     outputs = w.shape[0] // 2 if gated else w.shape[0]
     return (R in ROWS and jnp.dtype(w.dtype) in FLOATS and w.dtype == x_RI.dtype
-            and I % IN_BLOCKS[-1] == 0 and outputs % OUT_BLOCK == 0
+            and I % IN_BLOCKS[-1] == 0 and outputs % OUT_BLOCK == 0 and w.size < 2 ** 31
             and (gated is None or gated[1] % OUT_BLOCK == 0))
 
 
