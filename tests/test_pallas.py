@@ -268,18 +268,22 @@ def test_fused_products_equal_the_reference(rows, dtype):
     (RMSNorm, LayerNorm with a bias), a bias, a gated activation and a residual after, as the
     XLA reference computes them one by one: within float32's rounding, or 2 bfloat16 steps of
     the largest output (the gated activation is computed in float32 from rounded operands); a
-    row's outputs bitwise the same alone as in the batch."""
-    from jaxkv.ops.pallas import products
+    row's outputs bitwise the same alone as in the batch. Triton's form on jax 0.10, Mosaic
+    GPU's (16-bit weights) on 0.11 and newer."""
+    from jaxkv.ops.pallas import mosaic_gpu, products
 
-    I, O = 256, 64
+    I, O = 256, 256
     keys = jax.random.split(jax.random.key(5), 6)
     x, w, b, scale, shift = (jax.random.normal(k, shape).astype(dtype) for k, shape in zip(
         keys, [(rows, I), (O, I), (O,), (I,), (I,)]))
     w = w / 16
     residual = jax.random.normal(keys[5], (rows, O)).astype(dtype)
     norms = [None, (1 + scale / 4, None, "rmsnorm", 1e-6), (scale, shift, "layernorm", 1e-5)]
+    if not products.takes(x, w, None):  # Mosaic GPU's form takes 16-bit weights only
+        assert mosaic_gpu.AVAILABLE and dtype == jnp.float32
+        return
     for norm in norms:
-        for gated in (None, ("silu", 16), ("gelu_tanh", 32)):
+        for gated in (None, ("silu", 64), ("gelu_tanh", 128)):
             r = None if gated is None else residual[:, :O // 2]
             got = products.product(x, w, b, dtype=dtype, norm=norm, gated=gated,
                                    residual_RO=r, interpret=True)
@@ -300,9 +304,10 @@ def test_a_gpu_decode_steps_layer_is_seven_kernels(monkeypatch, dtype):
     residuals taken in, one XLA kernel making the queries and the step's own key and value, the
     decode kernel and its merge, which stores that key and value in the cache (no write of
     XLA's, no scatter) and writes the output in the model's dtype; the final norm goes into the
-    head's product (on a jax with Mosaic GPU, whose Triton form is deprecated, the products are
-    XLA's). The step's logits and cache equal the XLA reference's (float32: 1e-5; bfloat16:
-    2e-2, the products summing in another order)."""
+    head's product (on jax 0.11 and newer, whose Triton form is deprecated, the products take
+    Mosaic GPU's form for 16-bit weights, XLA's otherwise). The step's logits and cache equal
+    the XLA reference's (float32: 1e-5; bfloat16: 2e-2, the products summing in another
+    order)."""
     from jaxkv.ops.pallas import mosaic_gpu
 
     monkeypatch.setenv("JAXKV_OPS", "pallas")
@@ -314,7 +319,8 @@ def test_a_gpu_decode_steps_layer_is_seven_kernels(monkeypatch, dtype):
     args = (params, cache, jnp.array([5, 6]), jnp.array([9, 4]))
     jaxpr = str(jax.make_jaxpr(jaxkv.decode_step)(*args))
     L = FUSED.n_layers
-    assert jaxpr.count("name=jaxkv_fused_product\n") == (0 if mosaic_gpu.AVAILABLE else 4 * L + 1)
+    fused = not mosaic_gpu.AVAILABLE or dtype == jnp.bfloat16
+    assert jaxpr.count("name=jaxkv_fused_product") == (4 * L + 1 if fused else 0)
     assert jaxpr.count("name=jaxkv_decode_merge\n") == L
     assert "scatter" not in jaxpr and "dynamic_update_slice" not in jaxpr
     ours = jax.jit(jaxkv.decode_step)(*args)
