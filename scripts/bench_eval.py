@@ -132,33 +132,36 @@ def bench_memory(params, tokenizer, longest: int, rows: int) -> dict:
                 fraction=pool_slots / contiguous_slots, answers_equal=ours == theirs)
 
 
+def _table(columns, cells) -> list[str]:
+    """A markdown table of one row: the first and last columns left-aligned, the rest right."""
+    aligns = ["---"] + ["--:"] * (len(columns) - 2) + ["---"]
+    return [f"| {' | '.join(columns)} |", f"|{'|'.join(aligns)}|",
+            f"| {' | '.join(map(str, cells))} |", ""]
+
+
 def markdown(result) -> str:
     lines = [f"# bench_eval on {result['cpu']}", ""]
     if "loglikelihood" in result:
         r = result["loglikelihood"]
-        lines += [
-            "| work | requests | jaxkv s (first) | lm-eval HF s | speed-up | max diff | greedy "
-            "equal |", "|---|--:|--:|--:|--:|--:|---|",
-            f"| loglikelihood, {r['contexts']} contexts of {r['context_len']} tokens x 4 "
-            f"choices | {r['requests']} | {r['jaxkv_s']:.2f} ({r['jaxkv_first_s']:.2f}) | "
-            f"{r['hf_s']:.2f} | {r['speedup']:.2f}x | {r['max_abs_diff']:.1e} | "
-            f"{r['greedy_equal']} |", ""]
+        lines += _table(
+            ["work", "requests", "jaxkv s (first)", "lm-eval HF s", "speed-up", "max diff",
+             "greedy equal"],
+            [f"loglikelihood, {r['contexts']} contexts of {r['context_len']} tokens x 4 choices",
+             r["requests"], f"{r['jaxkv_s']:.2f} ({r['jaxkv_first_s']:.2f})", f"{r['hf_s']:.2f}",
+             f"{r['speedup']:.2f}x", f"{r['max_abs_diff']:.1e}", r["greedy_equal"]])
     if "prefix" in result:
         p = result["prefix"]
-        lines += [
-            "| work | with the prefix cache s | without s | speed-up | answers equal |",
-            "|---|--:|--:|--:|---|",
-            f"| {p['prompts']} prompts: a {p['prefix_len']}-token prefix + {p['question_len']} "
-            f"tokens, 16 new | {p['with_s']:.1f} | {p['without_s']:.1f} | {p['speedup']:.2f}x | "
-            f"{p['answers_equal']} |", ""]
+        lines += _table(
+            ["work", "with the prefix cache s", "without s", "speed-up", "answers equal"],
+            [f"{p['prompts']} prompts: a {p['prefix_len']}-token prefix + {p['question_len']} "
+             f"tokens, 16 new", f"{p['with_s']:.1f}", f"{p['without_s']:.1f}",
+             f"{p['speedup']:.2f}x", p["answers_equal"]])
     if "memory" in result:
         m = result["memory"]
-        lines += [
-            "| work | paged pool slots | contiguous slots | fraction | answers equal |",
-            "|---|--:|--:|--:|---|",
-            f"| {m['rows']} rows, one of {m['longest']} tokens, the rest of 20-100 | "
-            f"{m['pool_slots']} | {m['contiguous_slots']} | {m['fraction']:.3f} | "
-            f"{m['answers_equal']} |", ""]
+        lines += _table(
+            ["work", "paged pool slots", "contiguous slots", "fraction", "answers equal"],
+            [f"{m['rows']} rows, one of {m['longest']} tokens, the rest of 20-100",
+             m["pool_slots"], m["contiguous_slots"], f"{m['fraction']:.3f}", m["answers_equal"]])
     return "\n".join(lines)
 
 
