@@ -3,7 +3,8 @@
 At batch 1 XLA leaves every sublayer of a decode step as several kernels on a GPU: the norm's
 sum of squares, the normed x, the product, the gated activation, the residual add. Each is a
 launch and a trip through memory for a few thousand numbers, and they were most of the 17 kernels
-a layer took on an H100. Here one Triton program per block of outputs reads the few rows of x
+a layer took on an H100. Here one program per block of outputs (Triton's on jax 0.10, a Mosaic
+GPU warpgroup on 0.11 and newer, whose Triton backend is deprecated) reads the few rows of x
 (a norm needs all of a row: each program sums its squares itself, x being tiny next to w's
 block), then w's block in steps along the inputs, and applies the bias, the gated activation
 (act(gate) * up, w_in's rows in blocks of t gate rows then t up rows) or the residual before it
@@ -23,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkv.ops import xla
-from jaxkv.ops.arrays import Int8
+from jaxkv.ops.arrays import HALF_DTYPES, Int8
 from jaxkv.ops.pallas import mosaic_gpu
 from jaxkv.ops.pallas.decode import triton_params
 
@@ -32,8 +33,7 @@ OUT_BLOCK = 16  # outputs per Triton program (gated: units, each a gate and an u
 IN_BLOCKS = (256, 128, 64, 32, 16)  # inputs per step of a program's loop: the largest of these
 MOSAIC_OUT = 64  # outputs per Mosaic GPU program: a warpgroup's tile of w is 64 rows
 MOSAIC_IN = (128, 64)  # inputs per step there
-FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
-HALVES = (jnp.bfloat16, jnp.float16)
+FLOATS = (jnp.float32, *HALF_DTYPES)
 
 
 def takes(x_RI, w, gated) -> bool:
@@ -45,7 +45,7 @@ def takes(x_RI, w, gated) -> bool:
     if isinstance(w, Int8) or w.ndim != 2:
         return False
     outputs = w.shape[0] // 2 if gated else w.shape[0]
-    out_block, in_block, dtypes = ((MOSAIC_OUT, MOSAIC_IN[-1], HALVES) if mosaic_gpu.AVAILABLE
+    out_block, in_block, dtypes = ((MOSAIC_OUT, MOSAIC_IN[-1], HALF_DTYPES) if mosaic_gpu.AVAILABLE
                                    else (OUT_BLOCK, IN_BLOCKS[-1], FLOATS))
     return (R in ROWS and jnp.dtype(w.dtype) in dtypes and w.dtype == x_RI.dtype
             and I % in_block == 0 and outputs % out_block == 0 and w.size < 2 ** 31
@@ -89,10 +89,7 @@ def product(x_RI, w_OI, b_O=None, *, dtype, norm=None, gated=None, residual_RO=N
 def _kernel(x_ref, w_ref, *refs, has, kind, eps, gated, dtype, in_block):
     """Triton's program j: its outputs for every row, each row's sums in the same order
     whatever the number of rows (a row's result does not depend on the batch it is in)."""
-    refs = list(refs)
-    take = lambda flag: refs.pop(0) if has[flag] else None  # noqa: E731
-    b_ref, scale_ref, shift_ref = take("bias"), take("norm"), take("norm_bias")
-    residual_ref, out_ref = take("residual"), refs.pop(0)
+    b_ref, scale_ref, shift_ref, residual_ref, out_ref = _refs(refs, has)
     j = pl.program_id(0)
     R, I = x_ref.shape
     steps = I // in_block
@@ -125,10 +122,7 @@ def _kernel(x_ref, w_ref, *refs, has, kind, eps, gated, dtype, in_block):
 def _mosaic_kernel(x_ref, w_ref, *refs, has, kind, eps, gated, dtype, in_block):
     """Mosaic GPU's program j (one warpgroup): w's tiles of 64 rows and x's chunk copied in by
     the TMA at each step, then the rows' sums as Triton's program makes them."""
-    refs = list(refs)
-    take = lambda flag: refs.pop(0) if has[flag] else None  # noqa: E731
-    b_ref, scale_ref, shift_ref = take("bias"), take("norm"), take("norm_bias")
-    residual_ref, out_ref = take("residual"), refs.pop(0)
+    b_ref, scale_ref, shift_ref, residual_ref, out_ref = _refs(refs, has)
     j = jax.lax.axis_index("j")
     R, I = x_ref.shape
     starts = _row_starts(j, gated, MOSAIC_OUT)
@@ -197,6 +191,14 @@ def _mosaic_kernel(x_ref, w_ref, *refs, has, kind, eps, gated, dtype, in_block):
         plgpu.SMEM((R + 2, MOSAIC_OUT), x_ref.dtype), plgpu.Barrier(num_barriers=5),
         *[plgpu.SMEM((MOSAIC_OUT, in_block), w_ref.dtype, transforms=tiles) for _ in starts],
         *[plgpu.SMEM((in_block,), ref.dtype) for ref in vectors])
+
+
+def _refs(refs, has):
+    """(bias, norm's scale, norm's bias, residual, output) of a kernel's refs after x and w:
+    None for those `has` says are not there."""
+    refs = list(refs)
+    take = lambda flag: refs.pop(0) if has[flag] else None  # noqa: E731
+    return take("bias"), take("norm"), take("norm_bias"), take("residual"), refs.pop(0)
 
 
 def _finish(accs, biases, residual, gated, dtype):
