@@ -88,8 +88,8 @@ def test_chunks_past_the_longest_prompt_are_not_run(monkeypatch):
 
 
 def test_one_row_on_the_cpu_takes_the_kernels_chunk():
-    """Batch 1 up to ROW_CHUNK_UP_TO tokens, float32 or int8 weights: ROW_CHUNK tokens a pass
-    (the CPU kernels take them); longer prompts, larger batches, bfloat16 weights and int8
+    """Batch 1 up to ROW_CHUNK_UP_TO tokens (ROW_CHUNK_UP_TO_BLOCKS on AVX2), float32 or int8
+    weights: ROW_CHUNK tokens a pass (the CPU kernels take them); longer prompts, larger batches, bfloat16 weights and int8
     blocks the kernel does not take (8 inputs): CHUNK. A 200-token prompt (four passes of 64 in
     the 256 bucket) still equals forward."""
     params = jaxkv.init_params(MODELS["gqa"], jax.random.key(11))
@@ -101,6 +101,9 @@ def test_one_row_on_the_cpu_takes_the_kernels_chunk():
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     assert chunk(half, 1, 256) == CHUNK
     assert chunk(params, 1, 4096) == CHUNK
+    one_block = kernels.outer_block_rows() >= cpu_ops.ROW_CHUNK  # AVX-512; AVX2 takes blocks
+    assert chunk(params, 1, 2048) == (kernel_chunk if one_block else CHUNK)
+    assert chunk(params, 1, 1024) == kernel_chunk
     assert chunk(params, 4, 256) == CHUNK
     tokens_BT = random_tokens(12, (1, 200))
     logits_BV, _ = jaxkv.prefill(params, jaxkv.init_cache(params, 1, 256), tokens_BT)

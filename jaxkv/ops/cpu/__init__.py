@@ -17,9 +17,12 @@ READS_PAGES = True  # the attention kernel reads a PagedKV's pools through its t
 LOOP_ROWS = 16  # up to this many rows of int8 products run as one loop over w's rows each
 # One row's prefill on the CPU: passes of ROW_CHUNK tokens while the kernels take its
 # float32 or int8 products and the prompt is at most ROW_CHUNK_UP_TO tokens (less padding
-# than xla.PREFILL_CHUNK's passes, for a few more of them).
+# than xla.PREFILL_CHUNK's passes, for a few more of them); where one block of the kernels'
+# float32 outer form takes fewer than ROW_CHUNK rows (AVX2 and narrower), XLA's 256-row
+# products ran faster per token, and the short passes pay only up to ROW_CHUNK_UP_TO_BLOCKS.
 ROW_CHUNK = 64
 ROW_CHUNK_UP_TO = 2048
+ROW_CHUNK_UP_TO_BLOCKS = 1024
 
 
 def matmul(x_BTI, w, b_O=None, dtype=None, costly_x=False):
@@ -118,12 +121,13 @@ def materialized(x):
 
 
 def prefill_chunk(w_qkv, rows: int, tokens: int) -> int:
-    """ROW_CHUNK tokens a pass for one row of up to ROW_CHUNK_UP_TO tokens whose float32 or int8
+    """ROW_CHUNK tokens a pass for one row of up to ROW_CHUNK_UP_TO tokens (ROW_CHUNK_UP_TO_BLOCKS
+    where the kernels' outer form takes ROW_CHUNK rows in several blocks) whose float32 or int8
     products the kernels take (not bfloat16: XLA's 256-row products beat the kernels' 64-row
     ones), else xla.PREFILL_CHUNK."""
     if isinstance(w_qkv, Int8):
         takes = _int8_kernel_takes(ROW_CHUNK, w_qkv)
     else:
         takes = w_qkv.dtype == jnp.float32 and kernels.fits(ROW_CHUNK, w_qkv.dtype)
-    return ROW_CHUNK if rows == 1 and tokens <= ROW_CHUNK_UP_TO and takes else \
-        xla.PREFILL_CHUNK
+    up_to = ROW_CHUNK_UP_TO if kernels.outer_block_rows() >= ROW_CHUNK else ROW_CHUNK_UP_TO_BLOCKS
+    return ROW_CHUNK if rows == 1 and tokens <= up_to and takes else xla.PREFILL_CHUNK

@@ -107,10 +107,16 @@ inline f32xL load_bf16(const uint16_t* p) {
   return v;
 }
 
+// s in every lane: one broadcast. (A loop over the lanes, which GCC 12 turned into a broadcast
+// with AVX-512, became a chain of lane inserts with AVX2: 2-3 shuffles per multiply-add in the
+// attention kernel's loops.)
 inline f32xL splat(float s) {
   f32xL v;
 #if defined(__AVX512F__)
   __m512 m = _mm512_set1_ps(s);
+  std::memcpy(&v, &m, sizeof v);
+#elif defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(s);
   std::memcpy(&v, &m, sizeof v);
 #else
   for (int64_t i = 0; i < kLanes; ++i) v[i] = s;

@@ -309,17 +309,46 @@ void TileT(const float* w, const float* xT, float* y, int64_t R, int64_t I, int6
     for (int k = 0; k < NO; ++k) y[r * O + o0 + k] = out[k][r];
 }
 
-// Output rows [o_begin, o_end): rows r < R_outer of x in the outer-product form (xT [I, NV
-// kLanes]), then rows R_outer <= r < R in the dot form, tile by tile while w's rows are in L1.
+// Rows of x in the outer-product form: blocks of NV vectors of rows (the last one of `last`
+// vectors), each transposed on its own (xT's block b at b NV kLanes I, [I, its rows padded]).
+struct Blocks {
+  int64_t rows;  // R_outer: the rows in them
+  int64_t count;
+  int last;      // vectors in the last block, 1 .. NV
+};
+
+// f(std::integral_constant<int, v>) for v in 1 .. V, given at run time.
+template <int V, typename F>
+void WithVectors(int v, const F& f) {
+  if constexpr (V > 1)
+    if (v < V) return WithVectors<V - 1>(v, f);
+  f(std::integral_constant<int, V>{});
+}
+
+// Output rows [o_begin, o_end): every block of rows of x in the outer-product form, a tile of
+// w's rows at a time (each block reads it from L1), then rows R_outer <= r < R in the dot
+// form, tile by tile while w's rows are in L1.
 template <int NV>
-void ChunkT(const float* w, const float* xT, const float* x, float* y, int64_t R_outer,
+void ChunkT(const float* w, const float* xT, const float* x, float* y, const Blocks& blocks,
             int64_t R, int64_t I, int64_t O, int64_t o_begin, int64_t o_end) {
   constexpr int NO = TileRowsT(NV);
+  constexpr int64_t Rb = NV * kLanes;
   for (int64_t o = o_begin, n; o < o_end; o += n) {
     n = o + NO <= o_end ? NO : 1;
-    if (n == NO) TileT<NV, NO>(w, xT, y, R_outer, I, O, o);
-    else TileT<NV, 1>(w, xT, y, R_outer, I, O, o);
-    if (R_outer < R) Chunk(F32Rows{w, I}, x, y, R, I, I - I % kLanes, O, o, o + n, R_outer);
+    for (int64_t b = 0; b < blocks.count; ++b) {
+      const float* xT_b = xT + b * Rb * I;
+      float* y_b = y + b * Rb * O;
+      int64_t rows = std::min(Rb, blocks.rows - b * Rb);
+      int vectors = b + 1 < blocks.count ? NV : blocks.last;
+      auto tile = [&](auto nv) {
+        constexpr int V = decltype(nv)::value;
+        if (n == NO) TileT<V, NO>(w, xT_b, y_b, rows, I, O, o);
+        else TileT<V, 1>(w, xT_b, y_b, rows, I, O, o);
+      };
+      WithVectors<NV>(vectors, tile);
+    }
+    if (blocks.rows < R)
+      Chunk(F32Rows{w, I}, x, y, R, I, I - I % kLanes, O, o, o + n, blocks.rows);
   }
 }
 
@@ -419,31 +448,41 @@ void Dense(ffi::ThreadPool pool, const Rows& w, const float* x, float* y, int64_
 constexpr int64_t kDotRest = 4;
 
 constexpr int64_t kMaxRowsT = 96;  // rows of x dense_t takes
-// Whole vectors of them the outer form takes: 6 with AVX-512 (96 rows), 3 with 16 registers
-// (a tile of fewer than kTileO outputs would leave the dot form its rows one at a time).
+// Vectors of rows in a block of the outer form: 6 with AVX-512 (96 rows in one), 3 with 16
+// registers (a tile of fewer than kTileO outputs would leave the dot form its rows one at a
+// time), so AVX2 takes 96 rows as 4 blocks of 24.
 constexpr int64_t kMaxVectorsT = kTileSums / kTileO;
 
-// x's first R rows [R, I] transposed into xT [I, Rp], the rows from R to Rp zero.
-Floats Transpose(const float* x, int64_t R, int64_t Rp, int64_t I) {
-  Floats xT = Aligned(I * Rp);
-  std::fill(xT.get(), xT.get() + I * Rp, 0.0f);
-  for (int64_t i = 0; i < I; ++i)  // R rows' lines of x stay in L1 while xT is written in order
-    for (int64_t r = 0; r < R; ++r) xT[i * Rp + r] = x[r * I + i];
+// x's first R rows [R, I] transposed block by block (see Blocks), the rows past R zero.
+Floats Transpose(const float* x, const Blocks& blocks, int64_t NV, int64_t I) {
+  int64_t Rb = NV * kLanes;
+  Floats xT = Aligned(blocks.count * Rb * I);
+  std::fill(xT.get(), xT.get() + blocks.count * Rb * I, 0.0f);
+  for (int64_t b = 0; b < blocks.count; ++b) {
+    int64_t Rp = (b + 1 < blocks.count ? NV : blocks.last) * kLanes;
+    int64_t r0 = b * Rb, rows = std::min(Rb, blocks.rows - r0);
+    float* xT_b = xT.get() + r0 * I;
+    for (int64_t i = 0; i < I; ++i)  // the block's lines of x stay in L1 while xT is written
+      for (int64_t r = 0; r < rows; ++r) xT_b[i * Rp + r] = x[(r0 + r) * I + i];
+  }
   return xT;
 }
 
-// y [R, O] from float32 w and x [R, I], R <= 96: the outer-product form for NV (at most
-// kMaxVectorsT) whole vectors of rows, the dot form for the rest.
+// y [R, O] from float32 w and x [R, I], R <= 96: the outer-product form for the whole vectors
+// of rows (and a last part vector of more than kDotRest rows), in blocks of at most
+// kMaxVectorsT vectors; the dot form for the rest.
 void DenseT(ffi::ThreadPool pool, const float* w, const float* x, float* y, int64_t R,
             int64_t I, int64_t O) {
-  int64_t NV = std::clamp<int64_t>(R / kLanes + (R % kLanes > kDotRest), 1, kMaxVectorsT);
-  int64_t R_outer = std::min(R, NV * kLanes);
-  Floats xT = Transpose(x, R_outer, NV * kLanes, I);
+  int64_t vectors = std::max<int64_t>(1, R / kLanes + (R % kLanes > kDotRest));
+  int64_t NV = std::min(vectors, kMaxVectorsT);
+  Blocks blocks{std::min(R, vectors * kLanes), (vectors + NV - 1) / NV, 0};
+  blocks.last = int(vectors - (blocks.count - 1) * NV);
+  Floats xT = Transpose(x, blocks, NV, I);
   auto run = [&](auto nv) {
     constexpr int V = decltype(nv)::value;
     int64_t tile = TileRowsT(V);
     Parallel(pool, R, O, O * I * int64_t(sizeof(float)), tile, [&](int64_t begin, int64_t end) {
-      ChunkT<V>(w, xT.get(), x, y, R_outer, R, I, O, begin, end);
+      ChunkT<V>(w, xT.get(), x, y, blocks, R, I, O, begin, end);
     });
   };
   switch (NV) {
@@ -606,3 +645,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvDenseInt8, DenseInt8Impl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// Rows of x one block of the outer-product form takes in this build (96 with AVX-512, 24 with
+// AVX2, 12 otherwise): kernels.py reads it to choose one row's prefill passes.
+extern "C" int64_t JaxkvOuterBlockRows() { return kMaxVectorsT * kLanes; }

@@ -61,13 +61,22 @@ def enabled() -> bool:
 
 
 @functools.cache
+def _library():
+    """The compiled kernels, loaded (built first where needed); None, with a warning, when they
+    cannot be built here."""
+    try:
+        return ctypes.cdll.LoadLibrary(str(_build()))
+    except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+        warnings.warn(f"jaxkv: CPU product kernels unavailable, using XLA's ({e})", stacklevel=3)
+        return None
+
+
+@functools.cache
 def registered() -> bool:
     """Compile (or find compiled) and register the kernels once per process; False, with a
     warning, when they cannot be built here."""
-    try:
-        library = ctypes.cdll.LoadLibrary(str(_build()))
-    except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
-        warnings.warn(f"jaxkv: CPU product kernels unavailable, using XLA's ({e})", stacklevel=2)
+    library = _library()
+    if library is None:
         return False
     for name, symbol in (("jaxkv_dense", "JaxkvDense"), ("jaxkv_dense_t", "JaxkvDenseT"),
                          ("jaxkv_dense_int8", "JaxkvDenseInt8"), ("jaxkv_attend", "JaxkvAttend"),
@@ -128,6 +137,17 @@ def _check(compiler: str, flags: tuple, returncode: int, stderr: str):
     if returncode:
         raise RuntimeError(f"{compiler} {' '.join(flags)} failed on the kernels: "
                            f"{stderr[-2000:]}")
+
+
+def outer_block_rows() -> int:
+    """Rows of x that one block of the float32 outer-product form takes in this build: 96 with
+    AVX-512, 24 with AVX2 (16 vector registers), 12 with 4-lane vectors; more rows run as
+    several blocks, each reading w's tile again from L1. 0 without the kernels."""
+    library = _library() if enabled() else None
+    if library is None:
+        return 0
+    library.JaxkvOuterBlockRows.restype = ctypes.c_int64
+    return int(library.JaxkvOuterBlockRows())
 
 
 def fits(rows: int, dtype) -> bool:
