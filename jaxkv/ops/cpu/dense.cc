@@ -315,6 +315,8 @@ struct Blocks {
   int64_t rows;  // R_outer: the rows in them
   int64_t count;
   int last;      // vectors in the last block, 1 .. NV
+  int Vectors(int64_t b, int NV) const { return b + 1 < count ? NV : last; }
+  int64_t Rows(int64_t b, int64_t Rb) const { return std::min(Rb, rows - b * Rb); }
 };
 
 // f(std::integral_constant<int, v>) for v in 1 .. V, given at run time.
@@ -338,14 +340,13 @@ void ChunkT(const float* w, const float* xT, const float* x, float* y, const Blo
     for (int64_t b = 0; b < blocks.count; ++b) {
       const float* xT_b = xT + b * Rb * I;
       float* y_b = y + b * Rb * O;
-      int64_t rows = std::min(Rb, blocks.rows - b * Rb);
-      int vectors = b + 1 < blocks.count ? NV : blocks.last;
+      int64_t rows = blocks.Rows(b, Rb);
       auto tile = [&](auto nv) {
         constexpr int V = decltype(nv)::value;
         if (n == NO) TileT<V, NO>(w, xT_b, y_b, rows, I, O, o);
         else TileT<V, 1>(w, xT_b, y_b, rows, I, O, o);
       };
-      WithVectors<NV>(vectors, tile);
+      WithVectors<NV>(blocks.Vectors(b, NV), tile);
     }
     if (blocks.rows < R)
       Chunk(F32Rows{w, I}, x, y, R, I, I - I % kLanes, O, o, o + n, blocks.rows);
@@ -459,8 +460,8 @@ Floats Transpose(const float* x, const Blocks& blocks, int64_t NV, int64_t I) {
   Floats xT = Aligned(blocks.count * Rb * I);
   std::fill(xT.get(), xT.get() + blocks.count * Rb * I, 0.0f);
   for (int64_t b = 0; b < blocks.count; ++b) {
-    int64_t Rp = (b + 1 < blocks.count ? NV : blocks.last) * kLanes;
-    int64_t r0 = b * Rb, rows = std::min(Rb, blocks.rows - r0);
+    int64_t Rp = blocks.Vectors(b, int(NV)) * kLanes;
+    int64_t r0 = b * Rb, rows = blocks.Rows(b, Rb);
     float* xT_b = xT.get() + r0 * I;
     for (int64_t i = 0; i < I; ++i)  // the block's lines of x stay in L1 while xT is written
       for (int64_t r = 0; r < rows; ++r) xT_b[i * Rp + r] = x[(r0 + r) * I + i];
@@ -485,14 +486,7 @@ void DenseT(ffi::ThreadPool pool, const float* w, const float* x, float* y, int6
       ChunkT<V>(w, xT.get(), x, y, blocks, R, I, O, begin, end);
     });
   };
-  switch (NV) {
-    case 1: run(std::integral_constant<int, 1>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    case 4: run(std::integral_constant<int, 4>{}); break;
-    case 5: run(std::integral_constant<int, 5>{}); break;
-    default: run(std::integral_constant<int, 6>{});
-  }
+  WithVectors<int(kMaxVectorsT)>(int(NV), run);
 }
 
 // x [R, I] in BF16Rows' order (InterleavedAt).
