@@ -157,12 +157,16 @@ def main():
     ap.add_argument("--costs", action="store_true", help="only time tree passes (see above)")
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 3, 5, 9, 17],
                     help="--costs: tree nodes per row")
+    ap.add_argument("--row-cost", type=float, help="speculative.ROW_COST for this run (default: "
+                    "its own)")
     ap.add_argument("--out", help="path without extension (default: the machine's folder under "
                     "results/, bench_speculative, with --costs bench_speculative_costs)")
     args = ap.parse_args()
     args.out = args.out or (f"{results_dir()}/bench_speculative_costs" if args.costs else
                             f"{results_dir()}/bench_speculative")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    if args.row_cost is not None:
+        speculative.ROW_COST = args.row_cost
     path = jaxkv.default_model()
     params, tokenizer = jaxkv.load(path), jaxkv.load_tokenizer(path)
     if args.costs:
@@ -184,7 +188,8 @@ def main():
                 rows.append(dict(kind=kind, batch=batch, **r))
                 print(summary(rows[-1]), flush=True)
     result = dict(cpu=cpu_name(), machine=platform.machine(), jax=jax.__version__,
-                  new_tokens=args.new_tokens, prompts=args.prompts, rows=rows)
+                  row_cost=speculative.ROW_COST, new_tokens=args.new_tokens,
+                  prompts=args.prompts, rows=rows)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     plot(result, args.out + ".png")

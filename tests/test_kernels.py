@@ -210,13 +210,15 @@ def test_a_failed_build_names_the_compilers_complaint(monkeypatch, tmp_path):
 
 def test_outer_block_rows_equals_the_builds_vectors():
     """One block of the float32 outer form holds 3/4 of the vector registers' sums over 4
-    outputs: 6 vectors of 16 rows with AVX-512, 3 of 8 with AVX2, 3 of 4 otherwise (what one
-    row's prefill passes are chosen by)."""
+    outputs: 6 vectors of 16 rows with AVX-512, 3 of 8 with AVX2, 6 of 4 with NEON's 32
+    registers, 3 of 4 with SSE2 (what one row's prefill passes are chosen by)."""
     march = os.environ.get("JAXKV_CPU_MARCH", "native")
     flags = kernels._cpu_features().split()
     widest = {"x86-64-v4": "avx512f", "x86-64-v3": "avx2", "x86-64": ""}.get(
         march, "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "")
-    assert kernels.outer_block_rows() == {"avx512f": 96, "avx2": 24, "": 12}[widest]
+    if platform.machine() == "aarch64":
+        widest = "neon"
+    assert kernels.outer_block_rows() == {"avx512f": 96, "avx2": 24, "neon": 24, "": 12}[widest]
 
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,

@@ -641,5 +641,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvDenseInt8, DenseInt8Impl,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // Rows of x one block of the outer-product form takes in this build (96 with AVX-512, 24 with
-// AVX2, 12 otherwise): kernels.py reads it to choose one row's prefill passes.
+// AVX2 and NEON, 12 with SSE2): kernels.py reads it to choose one row's prefill passes.
 extern "C" int64_t JaxkvOuterBlockRows() { return kMaxVectorsT * kLanes; }

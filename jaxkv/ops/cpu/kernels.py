@@ -141,8 +141,8 @@ def _check(compiler: str, flags: tuple, returncode: int, stderr: str):
 
 def outer_block_rows() -> int:
     """Rows of x that one block of the float32 outer-product form takes in this build: 96 with
-    AVX-512, 24 with AVX2 (16 vector registers), 12 with 4-lane vectors; more rows run as
-    several blocks, each reading w's tile again from L1. 0 without the kernels."""
+    AVX-512, 24 with AVX2 (16 vector registers) and NEON (32 of 4 lanes), 12 with SSE2; more
+    rows run as several blocks, each reading w's tile again from L1. 0 without the kernels."""
     library = _library() if enabled() else None
     if library is None:
         return 0
