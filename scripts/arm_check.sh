@@ -10,7 +10,7 @@
 # aarch64 Python (Debian's packages, unpacked, not installed) and the project's dependencies
 # as aarch64 wheels go to $JAXKV_ARM_DIR (default ~/.cache/jaxkv/arm), once.
 #
-#   scripts/arm_check.sh [pytest arguments...]      about 25 minutes on a 2-core Zen 1
+#   scripts/arm_check.sh [pytest arguments...]      over an hour on a 2-core Zen 1 (73 tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 arm=${JAXKV_ARM_DIR:-$HOME/.cache/jaxkv/arm}
