@@ -166,10 +166,11 @@ inline void AddScaled(float w, const float* v, float* out, int64_t H) {
 }
 
 // A task's G T queries (query r = t G + g: token t, head g of the kv head's group) have their
-// scores and weights in lanes: [key, RP], query r in lane r of NR vectors, RP = NR kLanes; q and
-// the output lie across lanes too ([H, RP]): a key's scores for all of them are H multiply-adds
-// of whole vectors with no sum across lanes, and a value adds into all of them the same way.
-// (A decode step's few queries take DecodeTask's path instead, keys across lanes.)
+// scores and weights in lanes: [key, RP], query r in lane r of NR vectors, RP = NR kLanes; q
+// lies across lanes too ([H, RP]): a key's scores for all of them are H multiply-adds of whole
+// vectors with no sum across lanes. The output is [rows, H], each query's weight broadcast
+// over its value's vectors (Values). (A decode step's few queries take DecodeTask's path
+// instead, keys across lanes.)
 template <int NR>
 struct Lanes {
   static constexpr int64_t kRP = NR * kLanes;
@@ -283,37 +284,57 @@ void Softmax(float* scoresT, int64_t columns, float* top, float* total, float* r
   }
 }
 
-// The output summed so far (see Lanes) times each query's rescale.
-template <int NR>
-void Rescale(int64_t rows, int64_t H, const float* rescale, float* acc) {
+// The output summed so far (acc [rows, H]) times each query's rescale.
+inline void Rescale(int64_t rows, int64_t H, const float* rescale, float* acc) {
   for (int64_t r = 0; r < rows; ++r)
     if (rescale[r] != 1.0f)
-      for (int64_t h = 0; h < H; ++h) acc[Lanes<NR>::Index(r, h)] *= rescale[r];
+      for (int64_t h = 0; h < H; ++h) acc[r * H + h] *= rescale[r];
 }
 
-// The output (see Lanes) += the weights (weightsT [n, RP]) times n values (rows of H); a vector
-// of queries' lanes at a time, HB numbers of each value broadcast across them.
+// The output acc [rows, H] += the weights (weightsT [n, RP]) times n values (rows of H): QB
+// queries x VB vectors of numbers at a time, each weight broadcast over VB vectors of its value
+// (a broadcast per VB multiply-adds; see docs/kernels.md), numbers past whole vectors one by one.
 template <int NR>
 void Values(const Shapes& d, const float* weightsT, const float* values, int64_t n,
-            float* acc_out) {
+            int64_t rows, float* acc) {
   constexpr int64_t RP = Lanes<NR>::kRP;
-  int64_t H = d.H;
-  constexpr int HB = kSums;
-  for (int64_t h0 = 0; h0 < H; h0 += HB) {
-    int hb = std::min<int64_t>(HB, H - h0);  // the last block's numbers past H repeat its last
-    for (int v = 0; v < NR; ++v) {  // one vector of queries at a time, HB numbers broadcast
-      float* out = acc_out + v * kLanes;
-      f32xL acc[HB];
-#pragma GCC unroll 16
-      for (int j = 0; j < HB; ++j) acc[j] = load_f32(out + (h0 + std::min(j, hb - 1)) * RP);
+  constexpr int VB = 4, QB = (kRegisters - VB - 1) / VB;
+  int64_t H = d.H, H_vec = H - H % kLanes;
+  for (int64_t r0 = 0; r0 < rows; r0 += QB) {
+    int qb = std::min<int64_t>(QB, rows - r0);
+    for (int64_t h0 = 0; h0 < H_vec; h0 += VB * kLanes) {
+      int vb = std::min<int64_t>(VB, (H_vec - h0) / kLanes);
+      f32xL sums[QB][VB];
+#pragma GCC unroll 8
+      for (int q = 0; q < QB; ++q)
+#pragma GCC unroll 4
+        for (int c = 0; c < VB; ++c)
+          if (q < qb && c < vb) sums[q][c] = load_f32(acc + (r0 + q) * H + h0 + c * kLanes);
       for (int64_t s = 0; s < n; ++s) {
-        f32xL w = load_f32(weightsT + s * RP + v * kLanes);
-        const float* value = values + s * H + h0;
-#pragma GCC unroll 16
-        for (int j = 0; j < HB; ++j) acc[j] += splat(value[std::min(j, hb - 1)]) * w;
+        f32xL v[VB];
+#pragma GCC unroll 4
+        for (int c = 0; c < VB; ++c)
+          if (c < vb) v[c] = load_f32(values + s * H + h0 + c * kLanes);
+#pragma GCC unroll 8
+        for (int q = 0; q < QB; ++q) {
+          if (q >= qb) break;
+          f32xL w = splat(weightsT[s * RP + r0 + q]);
+#pragma GCC unroll 4
+          for (int c = 0; c < VB; ++c)
+            if (c < vb) sums[q][c] += w * v[c];
+        }
       }
-      for (int j = 0; j < hb; ++j) std::memcpy(out + (h0 + j) * RP, &acc[j], sizeof acc[j]);
+#pragma GCC unroll 8
+      for (int q = 0; q < QB; ++q)
+#pragma GCC unroll 4
+        for (int c = 0; c < VB; ++c)
+          if (q < qb && c < vb)
+            std::memcpy(acc + (r0 + q) * H + h0 + c * kLanes, &sums[q][c], sizeof sums[q][c]);
     }
+    for (int q = 0; q < qb; ++q)
+      for (int64_t h = H_vec; h < H; ++h)
+        for (int64_t s = 0; s < n; ++s)
+          acc[(r0 + q) * H + h] += weightsT[s * RP + r0 + q] * values[s * H + h];
   }
 }
 
@@ -357,8 +378,8 @@ void Task(const Shapes& d, int64_t T_all, int64_t t0, const float* q, const KeyS
       Scores<NR>(d, qs.data(), kb.Rows(bk, m, buf), m, tile_mask + s0, stride,
                  scoresT.data(), kb, vb, bk);
       Softmax<NR>(scoresT.data(), m, top, total, rescale);
-      Rescale<NR>(rows, d.H, rescale, acc.data());
-      Values<NR>(d, scoresT.data(), vb.Rows(bk, m, buf), m, acc.data());
+      Rescale(rows, d.H, rescale, acc.data());
+      Values<NR>(d, scoresT.data(), vb.Rows(bk, m, buf), m, rows, acc.data());
     }
   };
   run(k, v, mask, d.S, lo, hi);
@@ -366,7 +387,7 @@ void Task(const Shapes& d, int64_t T_all, int64_t t0, const float* q, const KeyS
   for (int64_t r = 0; r < rows; ++r) {
     float inv = total[r] > 0 ? 1.0f / total[r] : 0.0f;
     for (int64_t h = 0; h < d.H; ++h)
-      out[at(r) * d.H + h] = acc[Lanes<NR>::Index(r, h)] * inv;
+      out[at(r) * d.H + h] = acc[r * d.H + h] * inv;
     lse[at(r)] = total[r] > 0 ? top[r] + std::log(total[r])
                               : -std::numeric_limits<float>::infinity();
   }
