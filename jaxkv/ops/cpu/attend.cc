@@ -19,6 +19,7 @@
 // The measurements behind these choices, and against XLA's path, are in docs/kernels.md.
 
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -29,29 +30,49 @@ namespace {
 
 typedef int32_t i32xL __attribute__((vector_size(kLanes * 4)));
 
-// e^x, kLanes at a time, for x <= 0 (scores minus their maximum): 2^n e^r with
-// n = round(x log2 e) and r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2], e^r by its Taylor series to
-// r^7 (relative error below 1e-7, a float32's 6e-8 ulp); 0 below -87 (under float32's normal
-// range), so masked scores (-inf) weigh nothing.
+// e^x of M vectors in place, for x <= 0 (scores minus their maximum): 2^n e^r with
+// n = round(x log2 e) (rounded by adding 1.5 x 2^23, whose float's low bits are then n) and
+// r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2], e^r by its Taylor series to r^7 (relative error
+// below 1e-7, a float32's 6e-8 ulp). x is raised to -88 first: from about -87.7 down (masked
+// scores' -inf among them) n is -127, whose 2^n has exponent bits 0, so e^x is exactly 0;
+// above that to -87.3, a subnormal. Each step runs over all M vectors before the next: the
+// polynomial's chain of dependent multiply-adds is long, and M chains side by side keep the
+// FMA units busy where one vector's at a time left them waiting (a Zen 1 core: 8 vectors
+// 8.9 ns a vector against 15.8 one at a time; docs/kernels.md).
+template <int M>
+inline void exp_many(f32xL (&x)[M]) {
+  const f32xL magic = splat(12582912.0f), lowest = splat(-88.0f);
+  f32xL t[M], r[M], p[M];
+#pragma GCC unroll 16
+  for (int v = 0; v < M; ++v) {
+    x[v] = x[v] > lowest ? x[v] : lowest;
+    t[v] = x[v] * 1.44269504f + magic;
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < M; ++v) {
+    f32xL n = t[v] - magic;
+    r[v] = x[v] - n * 0.693145752f - n * 1.42860677e-6f;  // ln 2 in two parts
+    p[v] = r[v] * (1.0f / 5040) + 1.0f / 720;
+  }
+#pragma GCC unroll 8
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+#pragma GCC unroll 16
+    for (int v = 0; v < M; ++v) p[v] = p[v] * r[v] + c;
+#pragma GCC unroll 16
+  for (int v = 0; v < M; ++v) {
+    i32xL bits;
+    std::memcpy(&bits, &t[v], sizeof bits);
+    bits = (bits + 127) << 23;
+    f32xL two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    x[v] = p[v] * two_n;
+  }
+}
+
 inline f32xL exp_lanes(f32xL x) {
-  const f32xL zero{};
-  i32xL tiny = x < -87.0f;
-  x = tiny ? zero - 87.0f : x;
-  i32xL n = __builtin_convertvector(x * 1.44269504f - 0.5f, i32xL);  // x <= 0: truncation rounds
-  f32xL nf = __builtin_convertvector(n, f32xL);
-  f32xL r = x - nf * 0.693145752f - nf * 1.42860677e-6f;  // ln 2 in two parts
-  f32xL p = zero + 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  i32xL bits = (n + 127) << 23;
-  f32xL two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return tiny ? zero : p * two_n;
+  f32xL one[1] = {x};
+  exp_many<1>(one);
+  return one[0];
 }
 
 // Keys or values of one dtype: a layer [B, K, S, H], or (table given) a pool of pages
@@ -149,10 +170,24 @@ struct Shapes {
   float scale, softcap;
 };
 
-// A mask of kLanes keys (up to 16) that a query sees, all of them.
+// Whether a query sees all n <= 16 keys of its mask `seen` (a bool true is the byte 1): a key
+// loop's 4 or 8 keys as one integer compare, not a call to memcmp.
 static_assert(kLanes <= 16);
 const bool kAllSeen[16] = {true, true, true, true, true, true, true, true,
                            true, true, true, true, true, true, true, true};
+inline bool AllSeen(const bool* seen, int64_t n) {
+  if (n == 4) {
+    uint32_t bytes;
+    std::memcpy(&bytes, seen, 4);
+    return bytes == 0x01010101u;
+  }
+  if (n == 8) {
+    uint64_t bytes;
+    std::memcpy(&bytes, seen, 8);
+    return bytes == 0x0101010101010101ull;
+  }
+  return !std::memcmp(seen, kAllSeen, n);
+}
 
 // out += w v over H numbers.
 inline void AddScaled(float w, const float* v, float* out, int64_t H) {
@@ -192,7 +227,7 @@ void Finish(const Shapes& d, float* scoresT, int64_t key, int64_t n, const bool*
         rows[j * RP + r] = d.softcap * std::tanh(rows[j * RP + r] / d.softcap);
   for (int64_t t = 0; t < d.T; ++t) {
     const bool* seen = mask + t * stride + key;
-    if (n <= kLanes && !std::memcmp(seen, kAllSeen, n)) continue;
+    if (n <= 16 && AllSeen(seen, n)) continue;
     for (int64_t j = 0; j < n; ++j)
       if (!seen[j]) std::fill_n(rows + j * RP + t * d.G, d.G, minus_inf);
   }
@@ -267,14 +302,23 @@ void Softmax(float* scoresT, int64_t columns, float* top, float* total, float* r
     }
 #pragma GCC unroll 16
   for (int v = 0; v < NR; ++v) shift[v] = m[v] == minus_inf ? zero : m[v];  // e^-inf: 0
-  for (int64_t c = 0; c < columns; ++c)
+  // C columns' exponentials at a time: 8 vectors or more (exp_many).
+  constexpr int C = NR >= 8 ? 1 : 8 / NR;
+  auto columns_exp = [&](int64_t c0, auto width) {
+    constexpr int W = decltype(width)::value;
+    f32xL e[W * NR];
 #pragma GCC unroll 16
-    for (int v = 0; v < NR; ++v) {
-      float* at = scoresT + c * RP + v * kLanes;
-      f32xL e = exp_lanes(load_f32(at) - shift[v]);
-      std::memcpy(at, &e, sizeof e);
-      sum[v] += e;
+    for (int i = 0; i < W * NR; ++i) e[i] = load_f32(scoresT + c0 * RP + i * kLanes) - shift[i % NR];
+    exp_many(e);
+#pragma GCC unroll 16
+    for (int i = 0; i < W * NR; ++i) {
+      std::memcpy(scoresT + c0 * RP + i * kLanes, &e[i], sizeof e[i]);
+      sum[i % NR] += e[i];
     }
+  };
+  int64_t c = 0;
+  for (; c + C <= columns; c += C) columns_exp(c, std::integral_constant<int, C>{});
+  for (; c < columns; ++c) columns_exp(c, std::integral_constant<int, 1>{});
 #pragma GCC unroll 16
   for (int v = 0; v < NR; ++v) {
     f32xL scale = exp_lanes(old[v] - shift[v]), t = load_f32(total + v * kLanes) * scale + sum[v];
@@ -291,51 +335,58 @@ inline void Rescale(int64_t rows, int64_t H, const float* rescale, float* acc) {
       for (int64_t h = 0; h < H; ++h) acc[r * H + h] *= rescale[r];
 }
 
+// acc [QN rows from r0, VN vectors from h0] += the weights of those rows (weightsT [n, RP])
+// times n values (rows of H): each weight broadcast over VN vectors of its value (a broadcast
+// per VN multiply-adds; see docs/kernels.md). QN and VN are constants, so the loop has no
+// branches and every sum stays in a register.
+template <int QN, int VN>
+inline void ValuesBlock(const float* weightsT, int64_t RP, const float* values, int64_t n,
+                        int64_t H, int64_t r0, int64_t h0, float* acc) {
+  f32xL sums[QN][VN];
+#pragma GCC unroll 8
+  for (int q = 0; q < QN; ++q)
+#pragma GCC unroll 4
+    for (int c = 0; c < VN; ++c) sums[q][c] = load_f32(acc + (r0 + q) * H + h0 + c * kLanes);
+  for (int64_t s = 0; s < n; ++s) {
+    f32xL v[VN];
+#pragma GCC unroll 4
+    for (int c = 0; c < VN; ++c) v[c] = load_f32(values + s * H + h0 + c * kLanes);
+#pragma GCC unroll 8
+    for (int q = 0; q < QN; ++q) {
+      f32xL w = splat(weightsT[s * RP + r0 + q]);
+#pragma GCC unroll 4
+      for (int c = 0; c < VN; ++c) sums[q][c] += w * v[c];
+    }
+  }
+#pragma GCC unroll 8
+  for (int q = 0; q < QN; ++q)
+#pragma GCC unroll 4
+    for (int c = 0; c < VN; ++c)
+      std::memcpy(acc + (r0 + q) * H + h0 + c * kLanes, &sums[q][c], sizeof sums[q][c]);
+}
+
 // The output acc [rows, H] += the weights (weightsT [n, RP]) times n values (rows of H): QB
-// queries x VB vectors of numbers at a time, each weight broadcast over VB vectors of its value
-// (a broadcast per VB multiply-adds; see docs/kernels.md), numbers past whole vectors one by one.
+// queries x VB vectors of numbers at a time, then the rows and vectors left one at a time, and
+// numbers past whole vectors one by one.
 template <int NR>
 void Values(const Shapes& d, const float* weightsT, const float* values, int64_t n,
             int64_t rows, float* acc) {
   constexpr int64_t RP = Lanes<NR>::kRP;
   constexpr int VB = 4, QB = (kRegisters - VB - 1) / VB;
   int64_t H = d.H, H_vec = H - H % kLanes;
-  for (int64_t r0 = 0; r0 < rows; r0 += QB) {
-    int qb = std::min<int64_t>(QB, rows - r0);
-    for (int64_t h0 = 0; h0 < H_vec; h0 += VB * kLanes) {
-      int vb = std::min<int64_t>(VB, (H_vec - h0) / kLanes);
-      f32xL sums[QB][VB];
-#pragma GCC unroll 8
-      for (int q = 0; q < QB; ++q)
-#pragma GCC unroll 4
-        for (int c = 0; c < VB; ++c)
-          if (q < qb && c < vb) sums[q][c] = load_f32(acc + (r0 + q) * H + h0 + c * kLanes);
-      for (int64_t s = 0; s < n; ++s) {
-        f32xL v[VB];
-#pragma GCC unroll 4
-        for (int c = 0; c < VB; ++c)
-          if (c < vb) v[c] = load_f32(values + s * H + h0 + c * kLanes);
-#pragma GCC unroll 8
-        for (int q = 0; q < QB; ++q) {
-          if (q >= qb) break;
-          f32xL w = splat(weightsT[s * RP + r0 + q]);
-#pragma GCC unroll 4
-          for (int c = 0; c < VB; ++c)
-            if (c < vb) sums[q][c] += w * v[c];
-        }
-      }
-#pragma GCC unroll 8
-      for (int q = 0; q < QB; ++q)
-#pragma GCC unroll 4
-        for (int c = 0; c < VB; ++c)
-          if (q < qb && c < vb)
-            std::memcpy(acc + (r0 + q) * H + h0 + c * kLanes, &sums[q][c], sizeof sums[q][c]);
-    }
-    for (int q = 0; q < qb; ++q)
-      for (int64_t h = H_vec; h < H; ++h)
-        for (int64_t s = 0; s < n; ++s)
-          acc[(r0 + q) * H + h] += weightsT[s * RP + r0 + q] * values[s * H + h];
-  }
+  auto columns = [&](int64_t r0, auto queries) {
+    constexpr int QN = decltype(queries)::value;
+    int64_t h0 = 0;
+    for (; h0 + VB * kLanes <= H_vec; h0 += VB * kLanes)
+      ValuesBlock<QN, VB>(weightsT, RP, values, n, H, r0, h0, acc);
+    for (; h0 < H_vec; h0 += kLanes) ValuesBlock<QN, 1>(weightsT, RP, values, n, H, r0, h0, acc);
+  };
+  int64_t r0 = 0;
+  for (; r0 + QB <= rows; r0 += QB) columns(r0, std::integral_constant<int, QB>{});
+  for (; r0 < rows; ++r0) columns(r0, std::integral_constant<int, 1>{});
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = H_vec; h < H; ++h)
+      for (int64_t s = 0; s < n; ++s) acc[r * H + h] += weightsT[s * RP + r] * values[s * H + h];
 }
 
 // Where a row's reading of keys [lo, n) ends: after the last one any of its T tokens sees, or
@@ -484,7 +535,7 @@ __attribute__((always_inline)) inline f32xL ScoreLanes(const Shapes& d, const fl
   if (scales) score *= *scales;
   if (d.softcap > 0)
     for (int j = 0; j < kLanes; ++j) score[j] = d.softcap * std::tanh(score[j] / d.softcap);
-  if (m < kLanes || std::memcmp(seen, kAllSeen, kLanes))
+  if (m < kLanes || !AllSeen(seen, kLanes))
     for (int j = 0; j < kLanes; ++j)
       if (j >= m || !seen[j]) score[j] = -std::numeric_limits<float>::infinity();
   return score;
