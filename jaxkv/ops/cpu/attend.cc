@@ -372,7 +372,7 @@ template <int NR>
 void Values(const Shapes& d, const float* weightsT, const float* values, int64_t n,
             int64_t rows, float* acc) {
   constexpr int64_t RP = Lanes<NR>::kRP;
-  constexpr int VB = 4, QB = (kRegisters - VB - 1) / VB;
+  constexpr int VB = 4, QB = kRegisters / VB - 1;
   int64_t H = d.H, H_vec = H - H % kLanes;
   auto columns = [&](int64_t r0, auto queries) {
     constexpr int QN = decltype(queries)::value;
