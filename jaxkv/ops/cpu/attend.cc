@@ -37,8 +37,8 @@ typedef int32_t i32xL __attribute__((vector_size(kLanes * 4)));
 // scores' -inf among them) n is -127, whose 2^n has exponent bits 0, so e^x is exactly 0;
 // above that to -87.3, a subnormal. Each step runs over all M vectors before the next: the
 // polynomial's chain of dependent multiply-adds is long, and M chains side by side keep the
-// FMA units busy where one vector's at a time left them waiting (a Zen 1 core: 8 vectors
-// 8.9 ns a vector against 15.8 one at a time; docs/kernels.md).
+// FMA units busy where one vector's at a time left them waiting (a Zen 1 core: 4 vectors side
+// by side 9.8-10.5 ns a vector against 13.8-15.1 one at a time; scripts/probes/exp_chains.cc).
 template <int M>
 inline void exp_many(f32xL (&x)[M]) {
   const f32xL magic = splat(12582912.0f), lowest = splat(-88.0f);
@@ -302,8 +302,8 @@ void Softmax(float* scoresT, int64_t columns, float* top, float* total, float* r
     }
 #pragma GCC unroll 16
   for (int v = 0; v < NR; ++v) shift[v] = m[v] == minus_inf ? zero : m[v];  // e^-inf: 0
-  // C columns' exponentials at a time: 8 vectors or more (exp_many).
-  constexpr int C = NR >= 8 ? 1 : 8 / NR;
+  // C columns' exponentials at a time: 4 vectors or more (exp_many).
+  constexpr int C = NR >= 4 ? 1 : 4 / NR;
   auto columns_exp = [&](int64_t c0, auto width) {
     constexpr int W = decltype(width)::value;
     f32xL e[W * NR];
@@ -366,8 +366,10 @@ inline void ValuesBlock(const float* weightsT, int64_t RP, const float* values, 
 }
 
 // The output acc [rows, H] += the weights (weightsT [n, RP]) times n values (rows of H): QB
-// queries x VB vectors of numbers at a time, then the rows and vectors left one at a time, and
-// numbers past whole vectors one by one.
+// queries x VB vectors of numbers at a time (their sums and a value's vectors fill the
+// registers: each block of queries reads all n values again, 32 KiB at kBlock keys of 64
+// numbers, so the more queries a block the less it reads), then the rows and vectors left one at
+// a time, and numbers past whole vectors one by one.
 template <int NR>
 void Values(const Shapes& d, const float* weightsT, const float* values, int64_t n,
             int64_t rows, float* acc) {
