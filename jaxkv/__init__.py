@@ -23,6 +23,7 @@ PUBLIC = {
     "jaxkv.core.config": "Config EncoderConfig",
     "jaxkv.core.decoder": "decode_step extend forward init_cache prefill",
     "jaxkv.core.encoder": "encode",
+    "jaxkv.core.hooks": "Hooks",
     "jaxkv.core.params": "Params cast init_params",
     "jaxkv.core.quant": "quantize",
     "jaxkv.decoding.batching": "generate_many iter_many iter_tokens",

@@ -44,16 +44,20 @@ def project_out(b, o_BTNH, x_BTD=None):
     return ops.matmul(o_BTNH.reshape(B, T, N * H), b.wo, b.bo, costly_x=True, residual=x_BTD)
 
 
-def add_out(config, b, x_BTD, o_BTNH):
+def add_out(config, b, x_BTD, o_BTNH, hook=None):
     """x + the attention output projected, normed by attn_out_norm first where the model norms
-    sublayer outputs (post_norms)."""
-    if not config.post_norms:
+    sublayer outputs (post_norms); hook (optional) maps that output before it is added (and the
+    addition is then not fused into the product)."""
+    if not config.post_norms and hook is None:
         return project_out(b, o_BTNH, x_BTD)
-    return x_BTD + norm(project_out(b, o_BTNH), b.attn_out_norm, config.norm, config.norm_eps)
+    y_BTD = project_out(b, o_BTNH)
+    if config.post_norms:
+        y_BTD = norm(y_BTD, b.attn_out_norm, config.norm, config.norm_eps)
+    return x_BTD + (y_BTD if hook is None else hook(y_BTD))
 
 
 def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv=None,
-                   prefix=None, write=True):
+                   prefix=None, write=True, hook=None):
     """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)); turns_BT: the tokens' positions as
     RoPE needs them (`turns`: the layer's own, a window layer's when it has its own base).
 
@@ -63,14 +67,14 @@ def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv
     prefix, optional, is (k_PKSH, v_PKSH, mask_PS, prefix_len): keys shared by groups of B / P
     rows (a common prompt), attended once per group and merged by log-sum-exp.
     write=False leaves the cache as it was and returns this call's keys and values [B, K, T, H]
-    in place of the cache's, for the caller to store where it chooses.
+    in place of the cache's, for the caller to store where it chooses. hook: see add_out.
     """
     q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, x_BTD, turns_BT)
     k_BKTH, v_BKTH = jnp.swapaxes(k_BTKH, 1, 2), jnp.swapaxes(v_BTKH, 1, 2)
     scale, cap = config.attn_scale, config.attn_softcap
     if kv is None:
         o_BTNH = attend(q_BTNH, k_BKTH, v_BKTH, mask_BTS, scale, bias_BNTS, softcap=cap)
-        return add_out(config, b, x_BTD, o_BTNH), (k_BKTH, v_BKTH)
+        return add_out(config, b, x_BTD, o_BTNH, hook), (k_BKTH, v_BKTH)
     k_cache, v_cache, view = kv
     own = (k_BKTH, v_BKTH, view.own_mask_BTT,
            None if bias_BNTS is None else cache_lib.at_slots(bias_BNTS, view.slot_BT[:, None]))
@@ -82,7 +86,7 @@ def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv
     if prefix is not None:
         shared = attend_shared(q_BTNH, *prefix[:3], scale, prefix[3], cap)
         out_BTNH, _ = ops.merge_parts(out_BTNH, lse_BTN, *shared)
-    out_BTD = add_out(config, b, x_BTD, out_BTNH.astype(x_BTD.dtype))
+    out_BTD = add_out(config, b, x_BTD, out_BTNH.astype(x_BTD.dtype), hook)
     return out_BTD, (tuple(written) if write else (k_BKTH, v_BKTH))
 
 
@@ -104,9 +108,11 @@ def cross_kv(config, c, states_BMD):
     return jnp.swapaxes(y_BMK2H[:, :, :, 0], 1, 2), jnp.swapaxes(y_BMK2H[:, :, :, 1], 1, 2)
 
 
-def feed_forward(config, b, x_BTD):
-    """MLP sublayer."""
-    if not config.post_norms:
+def feed_forward(config, b, x_BTD, hook=None):
+    """MLP sublayer; hook (optional) maps its output before it joins the stream (see add_out)."""
+    if not config.post_norms and hook is None:
         return mlp(x_BTD, b, config, b.mlp_norm, x_BTD)
     y_BTD = mlp(x_BTD, b, config, b.mlp_norm)
-    return x_BTD + norm(y_BTD, b.mlp_out_norm, config.norm, config.norm_eps)
+    if config.post_norms:
+        y_BTD = norm(y_BTD, b.mlp_out_norm, config.norm, config.norm_eps)
+    return x_BTD + (y_BTD if hook is None else hook(y_BTD))

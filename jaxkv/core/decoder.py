@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxkv import ops
 from jaxkv.core import blocks, checks, encoder
+from jaxkv.core import hooks as hooks_lib
 from jaxkv.core import cache as cache_lib
 from jaxkv.core.attention import causal_mask, relative_bias
 from jaxkv.core.cache import KVCache
@@ -72,12 +73,16 @@ def embed(params: Params, tokens_BT, pos_BT):
     return x_BTD
 
 
-def logits(params: Params, x_BTD):
-    """Final norm and output head, in float32: [B, T, V] (soft-capped: config.logit_softcap)."""
+def logits(params: Params, x_BTD, tap=None):
+    """Final norm and output head, in float32: [B, T, V] (soft-capped: config.logit_softcap).
+    tap (optional, a hooks.Tap): the final norm's output is its site "final"."""
     c = params.config
     head_VD = params.embed if params.lm_head is None else params.lm_head
-    if c.rescale_logits:
-        x_BTD = norm(x_BTD, params.final_norm, c.norm, c.norm_eps) * c.d_model ** -0.5
+    final = tap and tap.at("final", None)
+    if c.rescale_logits or final:
+        x_BTD = norm(x_BTD, params.final_norm, c.norm, c.norm_eps)
+        x_BTD = final(x_BTD) if final else x_BTD
+        x_BTD = x_BTD * c.d_model ** -0.5 if c.rescale_logits else x_BTD
         logits_BTV = ops.matmul(x_BTD, head_VD, dtype=jnp.float32)
     else:
         logits_BTV = ops.matmul(x_BTD, head_VD, dtype=jnp.float32,
@@ -103,7 +108,7 @@ def window_mask(config, mask_BTS, pos_BT):
 
 
 def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cross=None,
-           prefix=None, write=True):
+           prefix=None, write=True, tap=None):
     """All decoder layers (an unrolled loop: see params.py) -> (x_BTD, (k, v)): per layer
     [B, K, S, H] keys and values after this call's writes.
 
@@ -113,6 +118,7 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
     prefix: None or (k, v per layer [P, K, S', H], mask_PS', kv_len'): keys shared by groups
     of rows.
     write=False: the cache is only read, and (k, v) are this call's own, [B, K, T, H] per layer.
+    tap (optional, a hooks.Tap): each layer's sites resid_pre, attn_out, mlp_out, resid_post.
     """
     c = params.config
     local_BTS = c.window_layers and self_kv is None and window_mask(c, mask_BTS, pos_BT)
@@ -120,24 +126,27 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
     turns = {local: blocks.turns(c, pos_BT, local)
              for local in {layer in c.window_layers for layer in range(c.n_layers)}}
     for layer, b in enumerate(params.blocks):
+        x_BTD = tap("resid_pre", layer, x_BTD) if tap else x_BTD
         local = layer in c.window_layers
         kv = None if self_kv is None else (self_kv[0][layer], self_kv[1][layer],
                                            self_kv[3 if local else 2])
         shared = None if prefix is None else (prefix[0][layer], prefix[1][layer], *prefix[2:])
         x_BTD, (k_BKSH, v_BKSH) = blocks.self_attention(
             c, b, x_BTD, turns[local], local_BTS if local else mask_BTS, bias_BNTS, kv, shared,
-            write)
+            write, tap and tap.at("attn_out", layer))
         if cross is not None:
             x_BTD = blocks.cross_attention(c, params.cross[layer], x_BTD, cross[0][layer],
                                            cross[1][layer], cross[2])
-        x_BTD = blocks.feed_forward(c, b, x_BTD)
+        x_BTD = blocks.feed_forward(c, b, x_BTD, tap and tap.at("mlp_out", layer))
+        x_BTD = tap("resid_post", layer, x_BTD) if tap else x_BTD
         new_k.append(k_BKSH)
         new_v.append(v_BKSH)
     return x_BTD, (tuple(new_k), tuple(new_v))
 
 
-def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None):
-    """The plain uncached computation: logits [B, T, V] for tokens [B, T] at positions 0..T-1.
+def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None, hooks=None):
+    """The plain uncached computation: logits [B, T, V] for tokens [B, T] at positions 0..T-1;
+    with hooks (a jaxkv.Hooks), (logits, acts): the captures of its sites (see core.hooks).
 
     This is the reference every cached path is tested against. Encoder-decoder models also take
     encoder_inputs (and encoder_lengths for padded token inputs); the encoder runs here too.
@@ -148,17 +157,21 @@ def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None):
     cross = None
     if params.config.is_encoder_decoder or encoder_inputs is not None:
         cross = encoder.cross_cache(params, encoder_inputs, encoder_lengths, tokens_BT.shape[0])
-    return _forward(params, tokens_BT, cross)
+    hooks_lib.tap_for(hooks, None, params.config.n_layers)  # (checks hooks)
+    return _forward(params, tokens_BT, cross, hooks)
 
 
 @jax.jit
-def _forward(params: Params, tokens_BT, cross):
+def _forward(params: Params, tokens_BT, cross, hooks):
     B, T = tokens_BT.shape
     pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+    tap = hooks_lib.tap_for(hooks, pos_BT, params.config.n_layers)
     x_BTD = embed(params, tokens_BT, pos_BT)
+    x_BTD = tap("embed", None, x_BTD) if tap else x_BTD
     bias = self_bias(params, pos_BT, pos_BT)
-    x_BTD, _ = layers(params, x_BTD, pos_BT, causal_mask(pos_BT, T), bias, cross=cross)
-    return logits(params, x_BTD)
+    x_BTD, _ = layers(params, x_BTD, pos_BT, causal_mask(pos_BT, T), bias, cross=cross, tap=tap)
+    logits_BTV = logits(params, x_BTD, tap)
+    return logits_BTV if tap is None else (logits_BTV, tap.captured())
 
 
 def per_call(x, tree):
@@ -195,7 +208,7 @@ def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
 
 
 def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
-                prefix=None, kv_len=None, write=True, lengths_B=None):
+                prefix=None, kv_len=None, write=True, lengths_B=None, tap=None):
     """extend for arguments whose values the caller has checked (the cache's layout is checked
     here: it is static).
 
@@ -207,6 +220,8 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
     the cache and writes in place: free to go first (an optimization_barrier on them did not stop
     it), XLA copied every layer for it. lengths_B (optional, [B]): the global layers' slots
     each row reads are exactly [0, lengths_B) (a decode step's), for backends that read a range.
+    tap (optional, a hooks.Tap): the pass's sites embed and the layers' (the caller reads the
+    captures from it).
     """
     c = params.config
     checks.cache_layout(c, cache)
@@ -218,6 +233,7 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
     cross = params.cross and tuple(x.replace(wkv=None, bkv=None) for x in params.cross)
     x_BTD, params = per_call(embed(params, tokens_BT, pos_BT),
                              params.replace(cross=cross, encoder=None))
+    x_BTD = tap("embed", None, x_BTD) if tap else x_BTD
     slots_BS = jnp.arange(cache.capacity)[None, :]  # a global layer: slot s holds position s
     bias = self_bias(params, pos_BT, slots_BS)
     views = [cache_lib.linear_view(mask_BTS, slot_BT, kv_len, lengths_B), None]
@@ -233,7 +249,7 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
     cross = None if cache.cross_k is None else (cache.cross_k, cache.cross_v, cache.cross_mask)
     shared = None if prefix is None else (prefix[0].k, prefix[0].v, *prefix[1:])
     x_BTD, (k, v) = layers(params, x_BTD, pos_BT, None, bias, (*cache_lib.readable(cache), *views),
-                           cross, shared, write)
+                           cross, shared, write, tap)
     if write:
         return x_BTD, cache_lib.stored(cache.replace(ring_pos=ring_pos), k, v)
     after_B1T1 = 0 * x_BTD[:, None, :, :1]
@@ -241,45 +257,60 @@ def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask
 
 
 def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B,
-                   chunk: int | None = None):
+                   chunk: int | None = None, hooks=None):
     """prefill without validation or bucketing (for use inside compiled code). Padding is not
     stored. The prompt runs in a loop of passes of `chunk` tokens (at most a window layer's
     ring), up to the longest row's last token (not the bucket's end): each reads the cache
     blocks the passes before it filled and its own tokens, so memory grows with the chunk, not
-    with T, and work with what is filled, not the capacity."""
+    with T, and work with what is filled, not the capacity. With hooks, (logits, cache, acts):
+    the captures [.., B, T, D] of the prompt's tokens by index (padding's too)."""
     count_trace("prefill")
     B, T = tokens_BT.shape
+    L, D = params.config.n_layers, params.config.d_model
     chunk = chunk or ops.prefill_chunk(params.blocks[0].wqkv, B, T)
     C = min(T, chunk, *([] if cache.ring_pos is None else [cache.ring_pos.shape[1]]))
     n = -(-T // C)
     tokens_NBC = jnp.pad(tokens_BT, ((0, 0), (0, n * C - T))).reshape(B, n, C).swapaxes(0, 1)
 
     def chunk_pass(carry, i_tokens):
-        cache, last_BD = carry
+        cache, last_BD, acts = carry
         i, tokens_BC = i_tokens
         t_BC = i * C + jnp.arange(C)[None, :]  # index in the prompt
         pos_BC = start_B[:, None] + t_BC
         slot_BC = jnp.where(t_BC < lengths_B[:, None], pos_BC, cache.capacity)
         # The cache as it was reads only slots before this chunk (its own are read as own keys).
         kv_len = jnp.max(start_B + jnp.minimum(lengths_B, i * C))
+        tap = hooks_lib.tap_for(hooks, pos_BC, L)
         x_BCD, cache = cached_pass(params, cache, tokens_BC, pos_BC, slot_BC,
-                                   causal_mask(pos_BC, cache.capacity), kv_len=kv_len)
+                                   causal_mask(pos_BC, cache.capacity), kv_len=kv_len, tap=tap)
+        if tap and "final" in hooks.capture:  # (the logits below are the last token's only)
+            tap("final", None, norm(x_BCD, params.final_norm, params.config.norm,
+                                    params.config.norm_eps))
+        acts = hooks_lib.put_at(acts, tap.captured(), i * C) if tap else acts
         end_B = lengths_B - 1 - i * C  # the last token's index in this chunk
         x_BD = jnp.take_along_axis(x_BCD, jnp.clip(end_B, 0, C - 1)[:, None, None], axis=1)[:, 0]
-        return (cache, jnp.where(((end_B >= 0) & (end_B < C))[:, None], x_BD, last_BD)), None
+        last_BD = jnp.where(((end_B >= 0) & (end_B < C))[:, None], x_BD, last_BD)
+        return (cache, last_BD, acts), None
 
-    first = (cache, jnp.zeros((B, params.config.d_model), params.embed.dtype))
+    acts = hooks_lib.empty_acts(hooks, L, B, n * C, D, params.embed.dtype)
+    first = (cache, jnp.zeros((B, D), params.embed.dtype), acts)
     if n == 1:
-        (cache, last_BD), _ = chunk_pass(first, (0, tokens_NBC[0]))
+        (cache, last_BD, acts), _ = chunk_pass(first, (0, tokens_NBC[0]))
     else:  # only the chunks some row's prompt reaches: work follows the prompts, not the bucket
         filled = jnp.clip(-(-jnp.max(lengths_B) // C), 1, n)
-        cache, last_BD = jax.lax.fori_loop(
+        cache, last_BD, acts = jax.lax.fori_loop(
             0, filled, lambda i, carry: chunk_pass(carry, (i, tokens_NBC[i]))[0], first)
-    return logits(params, last_BD[:, None])[:, 0], cache
+    last_tap = hooks_lib.tap_for(hooks, (start_B + lengths_B - 1)[:, None], L, record=False)
+    logits_BV = logits(params, last_BD[:, None], last_tap)[:, 0]
+    if hooks is None:
+        return logits_BV, cache
+    return logits_BV, cache, {site: x[..., :T, :] for site, x in acts.items()}
 
 
-def prefill(params: Params, cache: KVCache, tokens, lengths=None, start=None):
-    """One parallel pass over right-padded prompts; returns (logits [B, V], cache).
+def prefill(params: Params, cache: KVCache, tokens, lengths=None, start=None, hooks=None):
+    """One parallel pass over right-padded prompts; returns (logits [B, V], cache), and with
+    hooks (a jaxkv.Hooks) (logits, cache, acts): captures [.., B, T, D], index t row b's t-th
+    token of this call (its position start + t; past its length, padding's).
 
     tokens [B, T] int32, lengths [B] the real lengths (default T); logits are at each row's
     last real token. start [B] (default 0) is where each row's prompt begins, so a prompt can be
@@ -288,15 +319,19 @@ def prefill(params: Params, cache: KVCache, tokens, lengths=None, start=None):
     """
     tokens_BT, lengths_B, start_B = checks.prefill_args(params.config, cache, tokens, lengths,
                                                         start)
+    T = tokens_BT.shape[1]
     tokens_BT = checks.pad_to_bucket(tokens_BT)
-    return _prefill_jit(params, cache, tokens_BT, lengths_B, start_B)
+    hooks_lib.tap_for(hooks, None, params.config.n_layers)  # (checks hooks)
+    out = _prefill_jit(params, cache, tokens_BT, lengths_B, start_B, hooks=hooks)
+    return out if hooks is None else (*out[:2], {site: x[..., :T, :] for site, x in out[2].items()})
 
 
 _prefill_jit = jax.jit(prefill_padded, static_argnames="chunk")
 
 
-def decode_step(params: Params, cache: KVCache, token, pos):
-    """One token per row: token [B] at position pos [B] -> (logits [B, V], cache).
+def decode_step(params: Params, cache: KVCache, token, pos, hooks=None):
+    """One token per row: token [B] at position pos [B] -> (logits [B, V], cache); with hooks
+    (a jaxkv.Hooks), (logits, cache, acts): the step's captures, T = 1 (see core.hooks).
 
     Pure: usable under jax.jit(decode_step, donate_argnames="cache"), lax.scan and vmap.
     Encoder-decoder models read their cross-attention K/V from the cache, never recomputing it.
@@ -304,7 +339,9 @@ def decode_step(params: Params, cache: KVCache, token, pos):
     count_trace("decode_step")
     token_B, pos_B = checks.decode_args(params.config, cache, token, pos)
     pos_BT = pos_B[:, None]
+    tap = hooks_lib.tap_for(hooks, pos_BT, params.config.n_layers)
     x_BTD, cache = cached_pass(params, cache, token_B[:, None], pos_BT, pos_BT,
                                causal_mask(pos_BT, cache.capacity), kv_len=jnp.max(pos_B) + 1,
-                               lengths_B=pos_B)
-    return logits(params, x_BTD)[:, 0], cache
+                               lengths_B=pos_B, tap=tap)
+    logits_BV = logits(params, x_BTD, tap)[:, 0]
+    return (logits_BV, cache) if tap is None else (logits_BV, cache, tap.captured())

@@ -12,6 +12,7 @@ from jax.experimental import io_callback
 
 from jaxkv import ops
 from jaxkv.core import checks
+from jaxkv.core import hooks as hooks_lib
 from jaxkv.core.cache import KVCache
 from jaxkv.core.decoder import decode_step, init_cache, prefill_padded
 from jaxkv.core.sharding import (check_mesh, constrain_cache, replicated, shard_params,
@@ -31,6 +32,7 @@ class _Decoding:
     logits: jax.Array  # [B, V] float32: the next token's
     pos: jax.Array  # [B] int32: where the next token goes
     answers: rows.Answers
+    acts: dict  # hooks' captures {site: [.., B, capacity, D]} by position; {} without hooks
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token", "mesh",
@@ -38,20 +40,24 @@ class _Decoding:
 @checks.trusted()  # generate_args checked the prompts; the loop makes its own positions
 def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id,
                   suppress_V, begin_suppress_V, stop: StopStrings, encoder_inputs=None,
-                  encoder_lengths=None, *,
+                  encoder_lengths=None, hooks=None, *,
                   max_new_tokens: int, capacity: int, on_token=None, mesh=None, kv_dtype=None):
     """The compiled program behind generate: (encoder and cross K/V,) prefill, then a while
-    loop of sample + decode_step that stops when every row has ended."""
+    loop of sample + decode_step that stops when every row has ended (with hooks, each pass's
+    captures written at its positions)."""
     count_trace("generate")
     B = tokens_BT.shape[0]
     cache = constrain_cache(init_cache(params, B, capacity, kv_dtype,
                                        encoder_inputs=encoder_inputs,
                                        encoder_lengths=encoder_lengths), mesh)
-    logits_BV, cache = prefill_padded(params, cache, tokens_BT, lengths_B,
-                                      jnp.zeros((B,), jnp.int32))
+    logits_BV, cache, *acts = prefill_padded(params, cache, tokens_BT, lengths_B,
+                                             jnp.zeros((B,), jnp.int32), hooks=hooks)
+    T = tokens_BT.shape[1]
+    acts = {site: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, capacity - T), (0, 0)])
+            for site, x in (acts[0] if acts else {}).items()}
     seen_BV = rows.prompt_seen(params.config.vocab_size, tokens_BT, lengths_B)
     answers = rows.empty(B, max_new_tokens, stop.completes.shape[1], pad_id, seen_BV)
-    state = _Decoding(constrain_cache(cache, mesh), logits_BV, lengths_B, answers)
+    state = _Decoding(constrain_cache(cache, mesh), logits_BV, lengths_B, answers, acts)
 
     def draw(s: _Decoding):
         """(s with every row's next token recorded, the tokens [B]: pad_id after a row's end)."""
@@ -66,14 +72,17 @@ def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B
 
     def step(s: _Decoding) -> _Decoding:
         s, token_B = draw(s)
-        logits_BV, cache = decode_step(params, s.cache, token_B, s.pos)
-        return s.replace(cache=constrain_cache(cache, mesh), logits=logits_BV, pos=s.pos + 1)
+        logits_BV, cache, *acts = decode_step(params, s.cache, token_B, s.pos, hooks)
+        acts = hooks_lib.put_rows(s.acts, acts[0], s.pos) if acts else s.acts
+        return s.replace(cache=constrain_cache(cache, mesh), logits=logits_BV, pos=s.pos + 1,
+                         acts=acts)
 
     # The last token needs no decode step after it; nor does anything once every row has ended.
     more = lambda s: (jnp.max(s.answers.length) < max_new_tokens - 1) & ~jnp.all(  # noqa
         s.answers.done)
     state, _ = draw(jax.lax.while_loop(more, step, state))
-    return replicated((state.answers.tokens, state.answers.length), mesh)
+    out = (state.answers.tokens, state.answers.length)
+    return replicated(out if hooks is None else (*out, state.acts), mesh)
 
 
 def generate(params, prompts, max_new_tokens: int, **options):
@@ -91,7 +100,11 @@ def generate(params, prompts, max_new_tokens: int, **options):
     compiled loop for each token drawn (generation stops early once every row has ended);
     mesh: a jax.sharding.Mesh with axes ("data", "model") (see jaxkv.sharding.make_mesh): rows
     are split over "data", heads / MLP width / vocabulary over "model"; kv_dtype: the cache's
-    dtype (init_cache's: float32, bfloat16, float16 or int8; default the params').
+    dtype (init_cache's: float32, bfloat16, float16 or int8; default the params'); hooks: a
+    jaxkv.Hooks, whose edits apply to every pass and whose captures come back as a third
+    result, acts {site: [.., B, capacity, D]}: index t is row b's position t, prompt and
+    generated (the last token drawn is never passed through, so a row's positions up to its
+    prompt length + its length - 2 hold captures; the rest zeros or the prompt's padding).
     """
     args, static = generate_args(params, prompts, max_new_tokens, **options)
     with ops.on(args[0]):  # the program is built for where the weights are (or the mesh)
@@ -126,7 +139,7 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
                   top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                   eos_id=None, pad_id=None, max_len=None, on_token=None, encoder_inputs=None,
                   encoder_lengths=None, suppress_ids=None, begin_suppress_ids=None, mesh=None,
-                  kv_dtype=None, stop=None, tokenizer=None):
+                  kv_dtype=None, stop=None, tokenizer=None, hooks=None):
     """Validated (args, static kwargs) for generate_loop; lets callers compile ahead of time."""
     c = params.config
     tokens_BT, lengths_B = prepare_prompts(c, prompts, lengths)
@@ -149,8 +162,10 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
     if check_mesh(mesh) is not None:
         params, per_row, encoder = (shard_params(params, mesh), shard_rows(per_row, mesh),
                                     shard_rows(encoder, mesh))
+    hooks_lib.tap_for(hooks, None, c.n_layers)  # (checks hooks)
+    hooks_lib.check_fits(hooks, c.n_layers, B, capacity, c.d_model, params.embed.dtype)
     args = (params, *per_row, eos_E, jnp.int32(pad_id), suppress_V, begin_V,
-            stops.tables(c, stop, tokenizer), *encoder)
+            stops.tables(c, stop, tokenizer), *encoder, hooks)
     if on_token is not None and mesh is not None and mesh.is_multi_process:
         raise ValueError("on_token: a host callback inside a program spread over several "
                          "processes is not supported; use iter_many / iter_tokens, or no mesh")

@@ -1,0 +1,226 @@
+"""Hooks (core/hooks.py): captures and edits in the cached, compiled decode step equal the
+uncached forward's, position by position."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.core.tracecount import TRACE_COUNTS
+from tests.conftest import CONFIGS, random_tokens
+
+TOL = 1e-5
+ALL = ("embed", "resid_pre", "attn_out", "mlp_out", "resid_post", "final")
+
+
+def add_vector(x_BTD, pos_BT, v_D):
+    """A steering edit: v added at every position."""
+    return x_BTD + v_D
+
+
+def decode_all(params, tokens_BT, delay_B, hooks, capacity=32):
+    """Every token of each row through decode steps from position 0, row b delay_B[b] steps
+    behind (it holds position 0 until then), so a step's rows sit at different positions.
+    Returns logits [B, T, V] and the captures {site: [.., B, T, D]} by position."""
+    B, T = tokens_BT.shape
+    step = jax.jit(jaxkv.decode_step)
+    cache = jaxkv.init_cache(params, B, capacity)
+    logits, acts = np.zeros((B, T, params.config.vocab_size), np.float32), {}
+    for i in range(T + max(delay_B)):
+        pos_B = np.clip(i - np.asarray(delay_B), 0, T - 1)
+        token_B = tokens_BT[np.arange(B), pos_B]
+        logits_BV, cache, acts_i = step(params, cache, token_B, jnp.asarray(pos_B), hooks)
+        for b in range(B):
+            if 0 <= i - delay_B[b] < T:
+                logits[b, pos_B[b]] = logits_BV[b]
+                for site, x in acts_i.items():
+                    acts.setdefault(site, np.zeros((*x.shape[:-3], B, T, x.shape[-1])))
+                    acts[site][..., b, pos_B[b], :] = x[..., b, 0, :]
+    return logits, acts
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+def test_sites_add_up(name):
+    """resid_post = resid_pre + attn_out + mlp_out; each layer's resid_pre the last one's
+    resid_post (the first: embed); the logits are final through the head."""
+    params = jaxkv.init_params(CONFIGS[name], jax.random.key(0))
+    tokens_BT = random_tokens(0, (2, 9))
+    logits_BTV, acts = jaxkv.forward(params, tokens_BT, hooks=jaxkv.Hooks(capture=ALL))
+    np.testing.assert_allclose(acts["resid_post"],
+                               acts["resid_pre"] + acts["attn_out"] + acts["mlp_out"], atol=TOL)
+    np.testing.assert_array_equal(acts["resid_pre"][0], acts["embed"])
+    np.testing.assert_array_equal(acts["resid_pre"][1:], acts["resid_post"][:-1])
+    head_VD = params.embed if params.lm_head is None else params.lm_head
+    np.testing.assert_allclose(acts["final"] @ head_VD.T, logits_BTV, atol=1e-4)
+    np.testing.assert_array_equal(logits_BTV, jaxkv.forward(params, tokens_BT))
+
+
+def test_decode_captures_equal_forward(model):
+    """Every site, every layer, rows at different positions in a step: the decode steps'
+    captures equal the forward's at the same positions."""
+    tokens_BT = np.asarray(random_tokens(1, (2, 10)))
+    hooks = jaxkv.Hooks(capture=ALL)
+    ref_BTV, ref = jaxkv.forward(model, tokens_BT, hooks=hooks)
+    got_BTV, got = decode_all(model, tokens_BT, [0, 4], hooks)
+    assert sorted(got) == sorted(ALL)
+    np.testing.assert_allclose(got_BTV, ref_BTV, atol=1e-4)
+    for site in ALL:
+        np.testing.assert_allclose(got[site], ref[site], atol=1e-4, err_msg=site)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_prefill_captures_equal_forward(llama, chunk):
+    """Ragged prompts, in one pass or chunks of 4: each row's captures at its own tokens equal
+    the forward's; the logits are the last token's."""
+    tokens_BT = np.asarray(random_tokens(7, (2, 11)))
+    lengths_B = np.array([11, 6])
+    hooks = jaxkv.Hooks(capture=ALL, layers=[0, 2])
+    ref_BTV, ref = jaxkv.forward(llama, tokens_BT, hooks=hooks)
+    cache = jaxkv.init_cache(llama, 2, 32)
+    if chunk is None:
+        logits_BV, _, got = jaxkv.prefill(llama, cache, tokens_BT, lengths_B, hooks=hooks)
+    else:
+        logits_BV, _, got = jaxkv.core.decoder.prefill_padded(
+            llama, cache, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), jnp.zeros(2, jnp.int32),
+            chunk=chunk, hooks=hooks)
+    for b, n in enumerate(lengths_B):
+        np.testing.assert_allclose(logits_BV[b], ref_BTV[b, n - 1], atol=1e-4)
+        for site in ALL:
+            np.testing.assert_allclose(got[site][..., b, :n, :], ref[site][..., b, :n, :],
+                                       atol=1e-4, err_msg=site)
+
+
+def test_prefill_then_steps_with_an_edit_equal_forward(llama):
+    """A steering edit through prefill and the decode steps after it: the logits of every
+    position equal the forward's with the same edit."""
+    v_D = jax.random.normal(jax.random.key(8), (llama.config.d_model,))
+    hooks = jaxkv.Hooks(edit={("resid_post", 0): jax.tree_util.Partial(add_vector, v_D=v_D),
+                              "final": lambda x, pos: x * 1.5})
+    tokens_BT = np.asarray(random_tokens(9, (1, 10)))
+    ref_BTV, _ = jaxkv.forward(llama, tokens_BT, hooks=hooks)
+    cache = jaxkv.init_cache(llama, 1, 32)
+    logits_BV, cache, _ = jaxkv.prefill(llama, cache, tokens_BT[:, :6], hooks=hooks)
+    np.testing.assert_allclose(logits_BV[0], ref_BTV[0, 5], atol=1e-4)
+    for t in range(6, 10):
+        logits_BV, cache, _ = jaxkv.decode_step(llama, cache, tokens_BT[:, t], jnp.array([t]),
+                                                hooks)
+        np.testing.assert_allclose(logits_BV[0], ref_BTV[0, t], atol=1e-4)
+
+
+def test_layers_choose_what_is_captured(llama):
+    tokens_BT = random_tokens(2, (1, 6))
+    _, every = jaxkv.forward(llama, tokens_BT, hooks=jaxkv.Hooks(capture=["resid_post"]))
+    _, some = jaxkv.forward(llama, tokens_BT,
+                            hooks=jaxkv.Hooks(capture=["resid_post"], layers=[2, 0]))
+    assert every["resid_post"].shape[0] == llama.config.n_layers
+    np.testing.assert_array_equal(some["resid_post"], every["resid_post"][np.array([0, 2])])
+
+
+@pytest.mark.parametrize("site,layer", [("resid_post", 1), ("attn_out", None), ("mlp_out", 0),
+                                        ("embed", None), ("final", None)])
+def test_edit_in_decode_equals_forward(llama, site, layer):
+    """A steering vector added at a site changes the logits, the same in the decode steps as in
+    the forward."""
+    v_D = jax.random.normal(jax.random.key(3), (llama.config.d_model,)) * 0.5
+    hooks = jaxkv.Hooks(capture=["resid_post"],
+                        edit={(site, layer): jax.tree_util.Partial(add_vector, v_D=v_D)})
+    tokens_BT = np.asarray(random_tokens(4, (2, 8)))
+    ref_BTV, ref = jaxkv.forward(llama, tokens_BT, hooks=hooks)
+    assert np.abs(ref_BTV - jaxkv.forward(llama, tokens_BT)).max() > 1e-3
+    got_BTV, got = decode_all(llama, tokens_BT, [0, 3], hooks)
+    np.testing.assert_allclose(got_BTV, ref_BTV, atol=1e-4)
+    np.testing.assert_allclose(got["resid_post"], ref["resid_post"], atol=1e-4)
+
+
+def test_edit_by_position(llama):
+    """fn sees each token's position: an edit at positions >= 5 only leaves the logits before
+    them as without hooks."""
+    def ablate_late(x_BTD, pos_BT):
+        return jnp.where(pos_BT[..., None] >= 5, 0.0, x_BTD)
+    tokens_BT = random_tokens(5, (1, 8))
+    plain_BTV = jaxkv.forward(llama, tokens_BT)
+    edited_BTV, _ = jaxkv.forward(llama, tokens_BT,
+                                  hooks=jaxkv.Hooks(edit={"attn_out": ablate_late}))
+    np.testing.assert_allclose(edited_BTV[:, :5], plain_BTV[:, :5], atol=1e-6)
+    assert np.abs(edited_BTV[:, 5:] - plain_BTV[:, 5:]).max() > 1e-3
+
+
+def test_unchanged_edit_keeps_the_logits(model):
+    """Edits that return x as it came leave the logits bitwise as without hooks (float32 on the
+    CPU: the sublayers' residual additions, unfused where edited, round the same)."""
+    same = {(site, None): (lambda x, pos: x) for site in ALL}
+    tokens_BT = random_tokens(6, (2, 7))
+    edited_BTV, _ = jaxkv.forward(model, tokens_BT, hooks=jaxkv.Hooks(edit=same))
+    np.testing.assert_array_equal(edited_BTV, jaxkv.forward(model, tokens_BT))
+
+
+def test_new_arrays_reuse_the_compiled_step(llama):
+    """Hooks whose edits are Partials of arrays compile once per structure: a new steering
+    vector reuses the step; no hooks and empty Hooks are the same program."""
+    step = jax.jit(jaxkv.decode_step)
+    cache = jaxkv.init_cache(llama, 1, 8)
+    token, pos = jnp.array([3]), jnp.array([0])
+    before = TRACE_COUNTS["decode_step"]
+    for seed in range(3):
+        v_D = jax.random.normal(jax.random.key(seed), (llama.config.d_model,))
+        edit = {("resid_post", 1): jax.tree_util.Partial(add_vector, v_D=v_D)}
+        step(llama, cache, token, pos, jaxkv.Hooks(edit=edit))
+    assert TRACE_COUNTS["decode_step"] == before + 1
+    plain = jax.jit(jaxkv.decode_step).lower(llama, cache, token, pos).as_text()
+    empty = jax.jit(jaxkv.decode_step).lower(llama, cache, token, pos, jaxkv.Hooks()).as_text()
+    assert plain == empty
+
+
+def test_bad_hooks_name_the_problem(llama):
+    with pytest.raises(ValueError, match="unknown site 'resid_mid'"):
+        jaxkv.Hooks(capture=["resid_mid"])
+    with pytest.raises(ValueError, match="'final' has no layers"):
+        jaxkv.Hooks(edit={("final", 2): lambda x, pos: x})
+    with pytest.raises(TypeError, match="expected a function"):
+        jaxkv.Hooks(edit={"embed": 3.0})
+    with pytest.raises(ValueError, match="layers 0..2, got layer 7"):
+        jaxkv.forward(llama, random_tokens(0, (1, 4)),
+                      hooks=jaxkv.Hooks(capture=["resid_pre"], layers=[7]))
+    with pytest.raises(TypeError, match="expected a jaxkv.Hooks"):
+        jaxkv.forward(llama, random_tokens(0, (1, 4)), hooks={"capture": ["embed"]})
+
+
+def greedy_by_forward(params, prompt, new_tokens, hooks):
+    """Greedy tokens by the uncached forward with hooks, one whole pass per token."""
+    tokens = list(prompt)
+    for _ in range(new_tokens):
+        logits_BTV, _ = jaxkv.forward(params, np.array([tokens]), hooks=hooks)
+        tokens.append(int(np.argmax(logits_BTV[0, -1])))
+    return tokens
+
+
+def test_generate_with_hooks_equals_forward(llama):
+    """Ragged prompts, greedy, a steering edit: generate's tokens equal the forward's greedy
+    tokens with the same edit, and its captures, by position over prompt and answer, equal the
+    forward's over the whole sequence."""
+    v_D = jax.random.normal(jax.random.key(10), (llama.config.d_model,)) * 2
+    hooks = jaxkv.Hooks(capture=["resid_post", "final"],
+                        edit={("mlp_out", 1): jax.tree_util.Partial(add_vector, v_D=v_D)})
+    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 6, 11]]
+    tokens_BN, lengths_B, acts = jaxkv.generate(llama, prompts, 6, hooks=hooks)
+    plain_BN, _ = jaxkv.generate(llama, prompts, 6)
+    assert (np.asarray(tokens_BN) != np.asarray(plain_BN)).any()
+    for b, prompt in enumerate(prompts):
+        want = greedy_by_forward(llama, prompt, 6, hooks)
+        assert list(np.asarray(tokens_BN[b])) == want[len(prompt):]
+        _, ref = jaxkv.forward(llama, np.array([want[:-1]]), hooks=hooks)
+        n = len(want) - 1
+        for site in ("resid_post", "final"):
+            np.testing.assert_allclose(acts[site][..., b, :n, :], ref[site][..., 0, :, :],
+                                       atol=1e-4, err_msg=site)
+
+
+def test_a_capture_too_large_is_refused():
+    """generate checks its captures' size before it runs (check_fits): here 3 layers x 64 rows x
+    2**20 positions x 4,096 float32s, 3 TiB."""
+    from jaxkv.core.hooks import check_fits
+    with pytest.raises(ValueError, match=r"hooks: capturing resid_post over 3 layer\(s\) x 64 "
+                                         r"row\(s\) x 1048576 positions x 4096 takes 3072.0 GiB"):
+        check_fits(jaxkv.Hooks(capture=["resid_post"]), 3, 64, 2 ** 20, 4096, jnp.float32)
+    check_fits(jaxkv.Hooks(capture=["resid_post"]), 3, 2, 64, 64, jnp.float32)
