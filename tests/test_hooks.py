@@ -11,12 +11,18 @@ from jaxkv.core.tracecount import TRACE_COUNTS
 from tests.conftest import CONFIGS, random_tokens
 
 TOL = 1e-5
-ALL = ("embed", "resid_pre", "attn_out", "mlp_out", "resid_post", "final")
+ALL = ("embed", "resid_pre", "head_out", "attn_out", "mlp_out", "resid_post", "final")
 
 
 def add_vector(x_BTD, pos_BT, v_D):
     """A steering edit: v added at every position."""
     return x_BTD + v_D
+
+
+def flat(site, x):
+    """A capture with head_out's [.., N, H] as [.., N H], like the other sites' [.., D]."""
+    x = np.asarray(x)
+    return x.reshape(*x.shape[:-2], -1) if site == "head_out" else x
 
 
 def decode_all(params, tokens_BT, delay_B, hooks, capacity=32):
@@ -35,6 +41,7 @@ def decode_all(params, tokens_BT, delay_B, hooks, capacity=32):
             if 0 <= i - delay_B[b] < T:
                 logits[b, pos_B[b]] = logits_BV[b]
                 for site, x in acts_i.items():
+                    x = flat(site, x)
                     acts.setdefault(site, np.zeros((*x.shape[:-3], B, T, x.shape[-1])))
                     acts[site][..., b, pos_B[b], :] = x[..., b, 0, :]
     return logits, acts
@@ -66,7 +73,7 @@ def test_decode_captures_equal_forward(model):
     assert sorted(got) == sorted(ALL)
     np.testing.assert_allclose(got_BTV, ref_BTV, atol=1e-4)
     for site in ALL:
-        np.testing.assert_allclose(got[site], ref[site], atol=1e-4, err_msg=site)
+        np.testing.assert_allclose(got[site], flat(site, ref[site]), atol=1e-4, err_msg=site)
 
 
 @pytest.mark.parametrize("chunk", [None, 4])
@@ -87,8 +94,9 @@ def test_prefill_captures_equal_forward(llama, chunk):
     for b, n in enumerate(lengths_B):
         np.testing.assert_allclose(logits_BV[b], ref_BTV[b, n - 1], atol=1e-4)
         for site in ALL:
-            np.testing.assert_allclose(got[site][..., b, :n, :], ref[site][..., b, :n, :],
-                                       atol=1e-4, err_msg=site)
+            np.testing.assert_allclose(flat(site, got[site])[..., b, :n, :],
+                                       flat(site, ref[site])[..., b, :n, :], atol=1e-4,
+                                       err_msg=site)
 
 
 def test_prefill_then_steps_with_an_edit_equal_forward(llama):
@@ -220,7 +228,25 @@ def test_a_capture_too_large_is_refused():
     """generate checks its captures' size before it runs (check_fits): here 3 layers x 64 rows x
     2**20 positions x 4,096 float32s, 3 TiB."""
     from jaxkv.core.hooks import check_fits
+    config = jaxkv.Config.llama(n_heads=32, n_kv_heads=8, d_ff=96, vocab_size=97, d_model=4096,
+                                n_layers=3, max_seq_len=2 ** 20)
     with pytest.raises(ValueError, match=r"hooks: capturing resid_post over 3 layer\(s\) x 64 "
-                                         r"row\(s\) x 1048576 positions x 4096 takes 3072.0 GiB"):
-        check_fits(jaxkv.Hooks(capture=["resid_post"]), 3, 64, 2 ** 20, 4096, jnp.float32)
-    check_fits(jaxkv.Hooks(capture=["resid_post"]), 3, 2, 64, 64, jnp.float32)
+                                         r"row\(s\) x 1048576 positions takes 3072.0 GiB"):
+        check_fits(jaxkv.Hooks(capture=["resid_post"]), config, 64, 2 ** 20, jnp.float32)
+    check_fits(jaxkv.Hooks(capture=["resid_post", "head_out"]), config, 2, 64, jnp.float32)
+
+
+def test_head_ablation_in_decode_equals_forward(llama):
+    """Zeroing one head's output at one layer: the decode steps' logits equal the forward's, and
+    head_out's capture shows the zeros where the edit made them."""
+    def ablate(x_BTNH, pos_BT, head):
+        return x_BTNH.at[:, :, head].set(0)
+    hooks = jaxkv.Hooks(capture=["head_out"], layers=[1],
+                        edit={("head_out", 1): jax.tree_util.Partial(ablate, head=2)})
+    tokens_BT = np.asarray(random_tokens(11, (2, 8)))
+    ref_BTV, ref = jaxkv.forward(llama, tokens_BT, hooks=hooks)
+    assert np.abs(ref_BTV - jaxkv.forward(llama, tokens_BT)).max() > 1e-4
+    assert ref["head_out"].shape == (1, 2, 8, llama.config.n_heads, llama.config.head_dim)
+    assert not np.asarray(ref["head_out"][:, :, :, 2]).any()
+    got_BTV, _ = decode_all(llama, tokens_BT, [0, 2], hooks)
+    np.testing.assert_allclose(got_BTV, ref_BTV, atol=1e-4)

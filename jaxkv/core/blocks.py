@@ -57,7 +57,7 @@ def add_out(config, b, x_BTD, o_BTNH, hook=None):
 
 
 def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv=None,
-                   prefix=None, write=True, hook=None):
+                   prefix=None, write=True, hook=None, head_hook=None):
     """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)); turns_BT: the tokens' positions as
     RoPE needs them (`turns`: the layer's own, a window layer's when it has its own base).
 
@@ -67,13 +67,15 @@ def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv
     prefix, optional, is (k_PKSH, v_PKSH, mask_PS, prefix_len): keys shared by groups of B / P
     rows (a common prompt), attended once per group and merged by log-sum-exp.
     write=False leaves the cache as it was and returns this call's keys and values [B, K, T, H]
-    in place of the cache's, for the caller to store where it chooses. hook: see add_out.
+    in place of the cache's, for the caller to store where it chooses. hook: see add_out;
+    head_hook (optional) maps the heads' outputs [B, T, N, H] before their projection.
     """
     q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, x_BTD, turns_BT)
     k_BKTH, v_BKTH = jnp.swapaxes(k_BTKH, 1, 2), jnp.swapaxes(v_BTKH, 1, 2)
     scale, cap = config.attn_scale, config.attn_softcap
     if kv is None:
         o_BTNH = attend(q_BTNH, k_BKTH, v_BKTH, mask_BTS, scale, bias_BNTS, softcap=cap)
+        o_BTNH = o_BTNH if head_hook is None else head_hook(o_BTNH)
         return add_out(config, b, x_BTD, o_BTNH, hook), (k_BKTH, v_BKTH)
     k_cache, v_cache, view = kv
     own = (k_BKTH, v_BKTH, view.own_mask_BTT,
@@ -86,7 +88,9 @@ def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv
     if prefix is not None:
         shared = attend_shared(q_BTNH, *prefix[:3], scale, prefix[3], cap)
         out_BTNH, _ = ops.merge_parts(out_BTNH, lse_BTN, *shared)
-    out_BTD = add_out(config, b, x_BTD, out_BTNH.astype(x_BTD.dtype), hook)
+    out_BTNH = out_BTNH.astype(x_BTD.dtype)
+    out_BTNH = out_BTNH if head_hook is None else head_hook(out_BTNH)
+    out_BTD = add_out(config, b, x_BTD, out_BTNH, hook)
     return out_BTD, (tuple(written) if write else (k_BKTH, v_BKTH))
 
 

@@ -133,7 +133,7 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
         shared = None if prefix is None else (prefix[0][layer], prefix[1][layer], *prefix[2:])
         x_BTD, (k_BKSH, v_BKSH) = blocks.self_attention(
             c, b, x_BTD, turns[local], local_BTS if local else mask_BTS, bias_BNTS, kv, shared,
-            write, tap and tap.at("attn_out", layer))
+            write, tap and tap.at("attn_out", layer), tap and tap.at("head_out", layer))
         if cross is not None:
             x_BTD = blocks.cross_attention(c, params.cross[layer], x_BTD, cross[0][layer],
                                            cross[1][layer], cross[2])
@@ -292,7 +292,7 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
         last_BD = jnp.where(((end_B >= 0) & (end_B < C))[:, None], x_BD, last_BD)
         return (cache, last_BD, acts), None
 
-    acts = hooks_lib.empty_acts(hooks, L, B, n * C, D, params.embed.dtype)
+    acts = hooks_lib.empty_acts(hooks, params.config, B, n * C, params.embed.dtype)
     first = (cache, jnp.zeros((B, D), params.embed.dtype), acts)
     if n == 1:
         (cache, last_BD, acts), _ = chunk_pass(first, (0, tokens_NBC[0]))
@@ -304,7 +304,7 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
     logits_BV = logits(params, last_BD[:, None], last_tap)[:, 0]
     if hooks is None:
         return logits_BV, cache
-    return logits_BV, cache, {site: x[..., :T, :] for site, x in acts.items()}
+    return logits_BV, cache, hooks_lib.positions(acts, T)
 
 
 def prefill(params: Params, cache: KVCache, tokens, lengths=None, start=None, hooks=None):
@@ -323,7 +323,7 @@ def prefill(params: Params, cache: KVCache, tokens, lengths=None, start=None, ho
     tokens_BT = checks.pad_to_bucket(tokens_BT)
     hooks_lib.tap_for(hooks, None, params.config.n_layers)  # (checks hooks)
     out = _prefill_jit(params, cache, tokens_BT, lengths_B, start_B, hooks=hooks)
-    return out if hooks is None else (*out[:2], {site: x[..., :T, :] for site, x in out[2].items()})
+    return out if hooks is None else (*out[:2], hooks_lib.positions(out[2], T))
 
 
 _prefill_jit = jax.jit(prefill_padded, static_argnames="chunk")

@@ -1,9 +1,11 @@
 """Hooks: read (capture) and edit activations at named sites of a decoder pass, inside the
 compiled program.
 
-Sites, each [B, T, D] (T: the positions this pass processes):
+Sites, each [B, T, D] (T: the positions this pass processes) but head_out:
   embed       the token (and learned position) embeddings entering layer 0
   resid_pre   per layer: the residual stream entering the layer
+  head_out    per layer: each query head's attention output before the output projection,
+              [B, T, N, H] (an edit that zeroes head n ablates it)
   attn_out    per layer: the self-attention sublayer's output, projected back to D (and normed,
               where the model norms sublayer outputs), before it joins the stream
   mlp_out     per layer: the MLP sublayer's output, likewise
@@ -12,21 +14,22 @@ Sites, each [B, T, D] (T: the positions this pass processes):
 
 Hooks(capture=("resid_post", ...), layers=None, edit={(site, layer): fn}): `layers` (None: all)
 says which layers the per-layer captures take; an edit's layer None means every layer (and is
-the only layer for embed and final). fn(x_BTD, pos_BT) -> x_BTD is traced JAX: it may close over
+the only layer for embed and final). fn(x, pos_BT) -> x is traced JAX: it may close over
 arrays (a steering vector), and a capture records x after the edit, as the rest of the model
 reads it. A closure is part of the program's structure, so a new one compiles again; wrap
 arrays as arguments with jax.tree_util.Partial(fn, array) to reuse the program for new values.
 The captures come back as acts: {site: [L', B, T, D]} for the per-layer sites (L' the captured
-layers, in order), {site: [B, T, D]} for embed and final.
+layers, in order; head_out [L', B, T, N, H]), {site: [B, T, D]} for embed and final.
 """
 
 import dataclasses
 import functools
+import math
 import os
 
 import jax
 
-LAYER_SITES = ("resid_pre", "attn_out", "mlp_out", "resid_post")
+LAYER_SITES = ("resid_pre", "head_out", "attn_out", "mlp_out", "resid_post")
 SITES = ("embed", *LAYER_SITES, "final")
 
 
@@ -132,48 +135,73 @@ def tap_for(hooks: Hooks | None, pos_BT, n_layers: int, record: bool = True):
     return Tap(hooks, pos_BT, record)
 
 
-def empty_acts(hooks: Hooks | None, n_layers: int, B: int, T: int, D: int, dtype) -> dict:
-    """Zeros for a loop's captures of T positions: {site: [L', B, T, D] or [B, T, D]}."""
+def shape(site: str, config, B: int, T: int, n_layers: int | None = None) -> tuple:
+    """A capture's shape over n_layers layers (default all) for the per-layer sites: [L', B, T,
+    ...], else [B, T, D]; head_out's last two [N, H], the others' D."""
+    tail = (config.n_heads, config.head_dim) if site == "head_out" else (config.d_model,)
+    layers = (config.n_layers if n_layers is None else n_layers,)
+    return (layers if site in LAYER_SITES else ()) + (B, T) + tail
+
+
+def _t_axis(site: str, x) -> int:
+    """The axis of positions in a capture x of site."""
+    return x.ndim - (3 if site == "head_out" else 2)
+
+
+def empty_acts(hooks: Hooks | None, config, B: int, T: int, dtype) -> dict:
+    """Zeros for a loop's captures of T positions over the captured layers."""
     if hooks is None:
         return {}
-    n = n_layers if hooks.layers is None else len(hooks.layers)
-    return {site: jax.numpy.zeros(((n,) if site in LAYER_SITES else ()) + (B, T, D), dtype)
-            for site in hooks.capture}
+    n = None if hooks.layers is None else len(hooks.layers)
+    return {site: jax.numpy.zeros(shape(site, config, B, T, n), dtype) for site in hooks.capture}
+
+
+def positions(acts: dict, end: int) -> dict:
+    """acts at indices [0, end) of their positions, padded with zeros past what they hold."""
+    def cut(site, x):
+        axis = _t_axis(site, x)
+        x = jax.lax.slice_in_dim(x, 0, min(end, x.shape[axis]), axis=axis)
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, end - x.shape[axis])
+        return jax.numpy.pad(x, pad)
+    return {site: cut(site, x) for site, x in acts.items()}
 
 
 def put_at(acts: dict, captured: dict, t0):
     """acts with the captures of T positions written from index t0 (a scalar, the same for
     every row) on."""
-    def put(buf, x):
-        start = (0,) * (x.ndim - 2) + (t0, 0)
+    def put(site, buf, x):
+        start = [0] * x.ndim
+        start[_t_axis(site, x)] = t0
         return jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), start)
-    return {site: put(buf, captured[site]) if site in captured else buf
+    return {site: put(site, buf, captured[site]) if site in captured else buf
             for site, buf in acts.items()}
 
 
 def put_rows(acts: dict, captured: dict, t_B):
-    """acts with one position's captures [.., B, 1, D] written at index t_B[b] of each row b."""
-    def put(buf, x):
-        rows_B = jax.numpy.arange(t_B.shape[0])
-        return buf.at[..., rows_B, t_B, :].set(x[..., 0, :].astype(buf.dtype))
-    return {site: put(buf, captured[site]) if site in captured else buf
+    """acts with one position's captures (T = 1) written at index t_B[b] of each row b."""
+    def put(site, buf, x):
+        axis, rows_B = _t_axis(site, x), jax.numpy.arange(t_B.shape[0])
+        at = (slice(None),) * (axis - 1) + (rows_B, t_B)
+        return buf.at[at].set(jax.numpy.take(x, 0, axis=axis).astype(buf.dtype))
+    return {site: put(site, buf, captured[site]) if site in captured else buf
             for site, buf in acts.items()}
 
 
-def check_fits(hooks: Hooks | None, n_layers: int, B: int, T: int, D: int, dtype, device=None):
+def check_fits(hooks: Hooks | None, config, B: int, T: int, dtype, device=None):
     """An error, before anything runs, where a loop's captures (empty_acts') would take more
     than half the memory of the device (its allocator's limit; the host's RAM on a CPU)."""
     if hooks is None or not hooks.capture:
         return
-    n = n_layers if hooks.layers is None else len(hooks.layers)
-    per_position = sum((n if site in LAYER_SITES else 1) for site in hooks.capture)
-    size = per_position * B * T * D * jax.numpy.dtype(dtype).itemsize
+    n = config.n_layers if hooks.layers is None else len(hooks.layers)
+    size = sum(math.prod(shape(site, config, B, T, n)) for site in hooks.capture)
+    size *= jax.numpy.dtype(dtype).itemsize
     device = device or jax.devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     limit = (stats or {}).get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf(
         "SC_PHYS_PAGES")
     if size > limit // 2:
         raise ValueError(f"hooks: capturing {', '.join(hooks.capture)} over {n} layer(s) x {B} "
-                         f"row(s) x {T} positions x {D} takes {size / 2**30:.1f} GiB, more than "
+                         f"row(s) x {T} positions takes {size / 2**30:.1f} GiB, more than "
                          f"half of {device.platform}'s {limit / 2**30:.1f} GiB; capture fewer "
                          f"sites or layers, or run fewer rows or tokens at a time")

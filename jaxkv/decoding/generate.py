@@ -52,9 +52,7 @@ def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B
                                        encoder_lengths=encoder_lengths), mesh)
     logits_BV, cache, *acts = prefill_padded(params, cache, tokens_BT, lengths_B,
                                              jnp.zeros((B,), jnp.int32), hooks=hooks)
-    T = tokens_BT.shape[1]
-    acts = {site: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, capacity - T), (0, 0)])
-            for site, x in (acts[0] if acts else {}).items()}
+    acts = hooks_lib.positions(acts[0], capacity) if acts else {}
     seen_BV = rows.prompt_seen(params.config.vocab_size, tokens_BT, lengths_B)
     answers = rows.empty(B, max_new_tokens, stop.completes.shape[1], pad_id, seen_BV)
     state = _Decoding(constrain_cache(cache, mesh), logits_BV, lengths_B, answers, acts)
@@ -163,7 +161,7 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
         params, per_row, encoder = (shard_params(params, mesh), shard_rows(per_row, mesh),
                                     shard_rows(encoder, mesh))
     hooks_lib.tap_for(hooks, None, c.n_layers)  # (checks hooks)
-    hooks_lib.check_fits(hooks, c.n_layers, B, capacity, c.d_model, params.embed.dtype)
+    hooks_lib.check_fits(hooks, c, B, capacity, params.embed.dtype)
     args = (params, *per_row, eos_E, jnp.int32(pad_id), suppress_V, begin_V,
             stops.tables(c, stop, tokenizer), *encoder, hooks)
     if on_token is not None and mesh is not None and mesh.is_multi_process:
