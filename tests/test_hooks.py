@@ -8,7 +8,7 @@ import pytest
 
 import jaxkv
 from jaxkv.core.tracecount import TRACE_COUNTS
-from tests.conftest import CONFIGS, random_tokens
+from tests.conftest import CONFIGS, encoder_inputs, random_tokens
 
 TOL = 1e-5
 ALL = ("embed", "resid_pre", "head_out", "attn_out", "mlp_out", "resid_post", "final")
@@ -25,13 +25,13 @@ def flat(site, x):
     return x.reshape(*x.shape[:-2], -1) if site == "head_out" else x
 
 
-def decode_all(params, tokens_BT, delay_B, hooks, capacity=32):
+def decode_all(params, tokens_BT, delay_B, hooks, capacity=32, **cache_options):
     """Every token of each row through decode steps from position 0, row b delay_B[b] steps
     behind (it holds position 0 until then), so a step's rows sit at different positions.
     Returns logits [B, T, V] and the captures {site: [.., B, T, D]} by position."""
     B, T = tokens_BT.shape
     step = jax.jit(jaxkv.decode_step)
-    cache = jaxkv.init_cache(params, B, capacity)
+    cache = jaxkv.init_cache(params, B, capacity, **cache_options)
     logits, acts = np.zeros((B, T, params.config.vocab_size), np.float32), {}
     for i in range(T + max(delay_B)):
         pos_B = np.clip(i - np.asarray(delay_B), 0, T - 1)
@@ -114,6 +114,21 @@ def test_prefill_then_steps_with_an_edit_equal_forward(llama):
         logits_BV, cache, _ = jaxkv.decode_step(llama, cache, tokens_BT[:, t], jnp.array([t]),
                                                 hooks)
         np.testing.assert_allclose(logits_BV[0], ref_BTV[0, t], atol=1e-4)
+
+
+def test_encoder_decoder_captures_and_edits(encdec):
+    """T5 and Whisper's decoders: the decode steps' captures, with an edit, equal the forward's
+    (the sites are the decoder's; resid_post comes after its cross-attention too)."""
+    v_D = jax.random.normal(jax.random.key(12), (encdec.config.d_model,))
+    hooks = jaxkv.Hooks(capture=ALL, edit={("attn_out", 0): jax.tree_util.Partial(add_vector,
+                                                                                  v_D=v_D)})
+    enc = encoder_inputs(encdec.config, 0, 2)
+    tokens_BT = np.asarray(random_tokens(13, (2, 7)))
+    ref_BTV, ref = jaxkv.forward(encdec, tokens_BT, encoder_inputs=enc, hooks=hooks)
+    got_BTV, got = decode_all(encdec, tokens_BT, [0, 2], hooks, encoder_inputs=enc)
+    np.testing.assert_allclose(got_BTV, ref_BTV, atol=1e-4)
+    for site in ALL:
+        np.testing.assert_allclose(got[site], flat(site, ref[site]), atol=1e-4, err_msg=site)
 
 
 def test_layers_choose_what_is_captured(llama):
