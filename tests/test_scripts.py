@@ -25,6 +25,7 @@ RUNS = {
                       "--no-memory"],  # memory: test_prefill_memory_of_one_engine_runs
     "bench_quality": ["--tokens", "64", "--window", "32", "--formats", "fp32", "int8-kv",
                       "llama.cpp-Q8_0"],
+    "bench_hooks": ["--new-tokens", "4", "--repeats", "1"],
     "bench_speculative": ["--prompts", "1", "--kinds", "grounded", "--batches", "1",
                           "--new-tokens", "4", "--trees", "defaultx1", "--no-draft", "--repeats",
                           "1"],
@@ -69,6 +70,9 @@ def test_script_runs(script, tmp_path):
     if script == "bench_eval":  # tables, not a plot; tiny sizes: no bound on the ratios
         assert result["loglikelihood"]["greedy_equal"] and result["prefix"]["answers_equal"]
         assert result["memory"]["answers_equal"] and result["memory"]["fraction"] < 1
+        return
+    if script == "bench_hooks":  # one ratio, not a plot
+        assert math.isfinite(result["hooks_over_plain"]) and result["captured_mib"] > 0
         return
     if script == "check_int8_hlo":  # a check, not a benchmark: no plot
         assert result["rows"] and not result["rows"][0]["loop_copies"]
