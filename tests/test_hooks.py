@@ -205,6 +205,10 @@ def test_bad_hooks_name_the_problem(llama):
     with pytest.raises(ValueError, match="layers 0..2, got layer 7"):
         jaxkv.forward(llama, random_tokens(0, (1, 4)),
                       hooks=jaxkv.Hooks(capture=["resid_pre"], layers=[7]))
+    with pytest.raises(ValueError, match=r"Hooks edit at \('mlp_out', 1\): expected x's shape "
+                                         r"\(1, 4, 64\) back, got \(1, 4\)"):
+        jaxkv.forward(llama, random_tokens(0, (1, 4)),
+                      hooks=jaxkv.Hooks(edit={("mlp_out", 1): lambda x, pos: x.sum(-1)}))
     with pytest.raises(TypeError, match="expected a jaxkv.Hooks"):
         jaxkv.forward(llama, random_tokens(0, (1, 4)), hooks={"capture": ["embed"]})
 

@@ -118,7 +118,8 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
     prefix: None or (k, v per layer [P, K, S', H], mask_PS', kv_len'): keys shared by groups
     of rows.
     write=False: the cache is only read, and (k, v) are this call's own, [B, K, T, H] per layer.
-    tap (optional, a hooks.Tap): each layer's sites resid_pre, attn_out, mlp_out, resid_post.
+    tap (optional, a hooks.Tap): each layer's sites resid_pre, head_out, attn_out, mlp_out and
+    resid_post.
     """
     c = params.config
     local_BTS = c.window_layers and self_kv is None and window_mask(c, mask_BTS, pos_BT)

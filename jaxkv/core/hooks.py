@@ -108,7 +108,11 @@ class Tap:
         edit = self.hooks.edit
         fn = edit.get((site, layer), edit.get((site, None)))
         if fn is not None:
-            x_BTD = fn(x_BTD, self.pos_BT).astype(x_BTD.dtype)
+            y = fn(x_BTD, self.pos_BT)
+            if jax.numpy.shape(y) != x_BTD.shape:
+                raise ValueError(f"Hooks edit at ({site!r}, {layer}): expected x's shape "
+                                 f"{x_BTD.shape} back, got {jax.numpy.shape(y)}")
+            x_BTD = y.astype(x_BTD.dtype)
         if self.record and site in self.hooks.capture and (
                 layer is None or self.hooks.layers is None or layer in self.hooks.layers):
             self.acts.setdefault(site, []).append(x_BTD)
