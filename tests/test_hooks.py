@@ -132,12 +132,18 @@ def test_encoder_decoder_captures_and_edits(encdec):
 
 
 def test_layers_choose_what_is_captured(llama):
+    """layers in any order, repeated or not: each once, in the model's order (prefill's loop
+    too)."""
     tokens_BT = random_tokens(2, (1, 6))
     _, every = jaxkv.forward(llama, tokens_BT, hooks=jaxkv.Hooks(capture=["resid_post"]))
-    _, some = jaxkv.forward(llama, tokens_BT,
-                            hooks=jaxkv.Hooks(capture=["resid_post"], layers=[2, 0]))
+    some_hooks = jaxkv.Hooks(capture=["resid_post"], layers=[2, 0, 2])
+    assert some_hooks.layers == (0, 2)
+    _, some = jaxkv.forward(llama, tokens_BT, hooks=some_hooks)
     assert every["resid_post"].shape[0] == llama.config.n_layers
     np.testing.assert_array_equal(some["resid_post"], every["resid_post"][np.array([0, 2])])
+    _, _, prefilled = jaxkv.prefill(llama, jaxkv.init_cache(llama, 1, 16), tokens_BT,
+                                    hooks=some_hooks)
+    np.testing.assert_allclose(prefilled["resid_post"], some["resid_post"], atol=1e-4)
 
 
 @pytest.mark.parametrize("site,layer", [("resid_post", 1), ("attn_out", None), ("mlp_out", 0),

@@ -284,7 +284,7 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
         tap = hooks_lib.tap_for(hooks, pos_BC, L)
         x_BCD, cache = cached_pass(params, cache, tokens_BC, pos_BC, slot_BC,
                                    causal_mask(pos_BC, cache.capacity), kv_len=kv_len, tap=tap)
-        if tap and "final" in hooks.capture:  # (the logits below are the last token's only)
+        if tap and hooks.captures("final", None):  # (the logits below are the last token's only)
             tap("final", None, norm(x_BCD, params.final_norm, params.config.norm,
                                     params.config.norm_eps))
         acts = hooks_lib.put_at(acts, tap.captured(), i * C) if tap else acts

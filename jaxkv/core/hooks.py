@@ -19,7 +19,8 @@ arrays (a steering vector), and a capture records x after the edit, as the rest 
 reads it. A closure is part of the program's structure, so a new one compiles again; wrap
 arrays as arguments with jax.tree_util.Partial(fn, array) to reuse the program for new values.
 The captures come back as acts: {site: [L', B, T, D]} for the per-layer sites (L' the captured
-layers, in order; head_out [L', B, T, N, H]), {site: [B, T, D]} for embed and final.
+layers in the model's order, each once; head_out [L', B, T, N, H]), {site: [B, T, D]} for
+embed and final.
 """
 
 import dataclasses
@@ -52,7 +53,7 @@ class Hooks:
         capture = (self.capture,) if isinstance(self.capture, str) else tuple(self.capture)
         for site in capture:
             _check_site(site, "capture")
-        layers = None if self.layers is None else tuple(int(i) for i in self.layers)
+        layers = None if self.layers is None else tuple(sorted({int(i) for i in self.layers}))
         if layers is not None and any(i < 0 for i in layers):
             raise ValueError(f"Hooks layers: expected layer indices >= 0, got {layers}")
         edit = {}
@@ -86,9 +87,14 @@ class Hooks:
             raise ValueError(f"Hooks: the model has layers 0..{n_layers - 1}, got layer "
                              f"{max(named)}")
 
-    def touches(self, site: str) -> bool:
-        """Whether any layer's `site` is captured or edited."""
-        return site in self.capture or any(k[0] == site for k in self.edit)
+    def captures(self, site: str, layer: int | None) -> bool:
+        """Whether (site, layer) is captured."""
+        return site in self.capture and (layer is None or self.layers is None
+                                         or layer in self.layers)
+
+    def touches(self, site: str, layer: int | None) -> bool:
+        """Whether (site, layer) is captured or edited."""
+        return self.captures(site, layer) or (site, layer) in self.edit or (site, None) in self.edit
 
 
 def _check_site(site, what):
@@ -113,15 +119,14 @@ class Tap:
                 raise ValueError(f"Hooks edit at ({site!r}, {layer}): expected x's shape "
                                  f"{x_BTD.shape} back, got {jax.numpy.shape(y)}")
             x_BTD = y.astype(x_BTD.dtype)
-        if self.record and site in self.hooks.capture and (
-                layer is None or self.hooks.layers is None or layer in self.hooks.layers):
+        if self.record and self.hooks.captures(site, layer):
             self.acts.setdefault(site, []).append(x_BTD)
         return x_BTD
 
     def at(self, site: str, layer: int | None):
-        """x -> self(site, layer, x), or None where nothing captures or edits site (so the
-        sublayer keeps its fused form)."""
-        return functools.partial(self, site, layer) if self.hooks.touches(site) else None
+        """x -> self(site, layer, x), or None where nothing captures or edits (site, layer) (so
+        the sublayer keeps its fused form)."""
+        return functools.partial(self, site, layer) if self.hooks.touches(site, layer) else None
 
     def captured(self) -> dict:
         """acts: per-layer sites stacked on a leading axis of the captured layers."""
