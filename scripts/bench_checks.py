@@ -49,6 +49,8 @@ def cpu_name() -> str:
     name = info.get("model name", platform.processor())
     if "cpu family" in info:
         name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+    if os.environ.get("JAXKV_BENCH_EMULATING"):  # set by bench_cpu.sh's EMULATE
+        name += f", emulating {os.environ['JAXKV_BENCH_EMULATING']}"
     return name
 
 
