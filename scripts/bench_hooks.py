@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct in float32 (the shipped GGUF), greedy, batch 1 by default:
 --new-tokens tokens after a short prompt, plain and with jaxkv.Hooks capturing each --sites
 site at every layer (default resid_post), alternating, --repeats rounds (best of each). The
 ratio is the hooked run's time over the plain one's; the hooked answer is checked equal to the
-plain one's (capturing edits nothing).
+plain one's (capturing edits nothing), and the two programs are checked to call jaxkv's CPU
+kernels (the products and attention) the same number of times: hooks keep them in use.
 
   python scripts/bench_hooks.py
   python scripts/bench_hooks.py --sites resid_post attn_out mlp_out --batch 4
@@ -29,6 +30,14 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
+def kernel_call_count(params, prompts, new_tokens, hooks) -> int:
+    """Calls of jaxkv's CPU kernels (FFI targets jaxkv_*) in generate's compiled program."""
+    from jaxkv.decoding.generate import generate_args, generate_loop
+
+    args, static = generate_args(params, prompts, new_tokens, hooks=hooks)
+    return generate_loop.lower(*args, **static).as_text().count("custom_call @jaxkv_")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -45,6 +54,9 @@ def main():
     engines = {"plain": lambda: jaxkv.generate(params, prompts, args.new_tokens),
                "hooks": lambda: jaxkv.generate(params, prompts, args.new_tokens, hooks=hooks)}
     outs = {name: fn() for name, fn in engines.items()}  # compile
+    kernel_calls = {name: kernel_call_count(params, prompts, args.new_tokens, h)
+                    for name, h in (("plain", None), ("hooks", hooks))}
+    assert kernel_calls["plain"] == kernel_calls["hooks"], kernel_calls
     assert np.array_equal(outs["plain"][0], outs["hooks"][0]), "capturing changed the answer"
     seconds = {name: [] for name in engines}
     for _ in range(args.repeats):
@@ -56,7 +68,8 @@ def main():
                   new_tokens=args.new_tokens, sites=args.sites, seconds=seconds,
                   ms_per_token={k: 1e3 * v / args.new_tokens for k, v in best.items()},
                   hooks_over_plain=best["hooks"] / best["plain"],
-                  captured_mib=sum(x.nbytes for x in acts.values()) / 2 ** 20)
+                  captured_mib=sum(x.nbytes for x in acts.values()) / 2 ** 20,
+                  kernel_calls=kernel_calls)
     print(json.dumps(result))
     out = args.out or os.path.join(results_dir(), "bench_hooks")
     os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -1,6 +1,8 @@
 """Hooks (core/hooks.py): captures and edits in the cached, compiled decode step equal the
 uncached forward's, position by position."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 
 import jaxkv
 from jaxkv.core.tracecount import TRACE_COUNTS
-from tests.conftest import CONFIGS, encoder_inputs, random_tokens
+from tests.conftest import CONFIGS, HF_TINY, encoder_inputs, random_tokens, save_tiny_models
 
 TOL = 1e-5
 ALL = ("embed", "resid_pre", "head_out", "attn_out", "mlp_out", "resid_post", "final")
@@ -275,3 +277,198 @@ def test_head_ablation_in_decode_equals_forward(llama):
     assert not np.asarray(ref["head_out"][:, :, :, 2]).any()
     got_BTV, _ = decode_all(llama, tokens_BT, [0, 2], hooks)
     np.testing.assert_allclose(got_BTV, ref_BTV, atol=1e-4)
+
+
+# ---- attn_probs, generate_many, loglikelihood_many, edits given their layer ---------------
+
+WINDOWED = jaxkv.Config.llama(n_heads=4, n_kv_heads=2, d_ff=96, sliding_window=5,
+                              window_layers=(0, 2), vocab_size=97, d_model=64, n_layers=3,
+                              max_seq_len=128)
+
+
+def hf_attention_configs():
+    import transformers as tf
+
+    small = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                 max_position_embeddings=128, **HF_TINY)
+    return {
+        "llama_gqa": (tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **small),
+                      tf.LlamaForCausalLM),
+        "gemma2_window_capped": (tf.Gemma2Config(
+            num_hidden_layers=3, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+            attn_logit_softcapping=0.05, sliding_window=4, **small), tf.Gemma2ForCausalLM),
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_attention(tmp_path_factory):
+    """Tiny random transformers models with eager attention (which returns its weights)."""
+    return save_tiny_models(hf_attention_configs(), tmp_path_factory, seed=400, eager=True)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "gemma2_window_capped"])
+def test_attn_probs_equal_transformers(hf_attention, name):
+    """The forward's attn_probs equal transformers' attention weights (output_attentions), a
+    sliding window and soft-capped scores included."""
+    import torch
+
+    torch_model, path = hf_attention[name]
+    params = jaxkv.load(path)
+    tokens_BT = np.asarray(random_tokens(12, (2, 10)))
+    _, acts = jaxkv.forward(params, tokens_BT, hooks=jaxkv.Hooks(capture=["attn_probs"]))
+    with torch.no_grad():
+        out = torch_model(torch.tensor(tokens_BT), output_attentions=True)
+    want = np.stack([a.numpy() for a in out.attentions])
+    assert acts["attn_probs"].shape == want.shape == (params.config.n_layers, 2, 4, 10, 10)
+    np.testing.assert_allclose(acts["attn_probs"], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [CONFIGS["llama_gqa"], WINDOWED], ids=["global", "window"])
+def test_attn_probs_in_cached_passes_equal_forward(config):
+    """attn_probs by key position from prefill (chunks of 4, ragged), from decode steps (rows
+    at different positions; a window layer's ring past its window) and from generate equal the
+    forward's; positions no query reads hold 0."""
+    params = jaxkv.init_params(config, jax.random.key(13))
+    tokens_BT = np.asarray(random_tokens(14, (2, 12)))
+    hooks = jaxkv.Hooks(capture=["attn_probs"])
+    _, ref = jaxkv.forward(params, tokens_BT, hooks=hooks)
+    ref = np.asarray(ref["attn_probs"])  # [L, B, N, T, T]
+    lengths_B = np.array([12, 7])
+    _, _, got = jaxkv.core.decoder.prefill_padded(
+        params, jaxkv.init_cache(params, 2, 32), jnp.asarray(tokens_BT), jnp.asarray(lengths_B),
+        jnp.zeros(2, jnp.int32), chunk=4, hooks=hooks)
+    for b, n in enumerate(lengths_B):
+        np.testing.assert_allclose(got["attn_probs"][:, b, :, :n, :n], ref[:, b, :, :n, :n],
+                                   atol=1e-5)
+        assert not np.asarray(got["attn_probs"][:, b, :, :n, n:]).any()
+    step = jax.jit(jaxkv.decode_step)
+    cache = jaxkv.init_cache(params, 2, 32)
+    delay_B = np.array([0, 3])
+    for i in range(12 + 3):
+        pos_B = np.clip(i - delay_B, 0, 11)
+        _, cache, acts = step(params, cache, tokens_BT[[0, 1], pos_B], jnp.asarray(pos_B), hooks)
+        for b in range(2):
+            if 0 <= i - delay_B[b] < 12:
+                p = pos_B[b]
+                np.testing.assert_allclose(acts["attn_probs"][:, b, :, 0, :12],
+                                           ref[:, b, :, p, :], atol=1e-5)
+    prompts = [list(tokens_BT[0, :5]), list(tokens_BT[1, :3])]
+    out_BN, _, acts = jaxkv.generate(params, prompts, 6, hooks=hooks)
+    for b, prompt in enumerate(prompts):
+        seq = prompt + list(np.asarray(out_BN[b]))[:-1]
+        _, want = jaxkv.forward(params, np.array([seq]), hooks=hooks)
+        n = len(seq)
+        np.testing.assert_allclose(acts["attn_probs"][:, b, :, :n, :n],
+                                   want["attn_probs"][:, 0], atol=1e-5)
+
+
+def test_generate_many_answers_carry_their_captures(llama):
+    """generate_many with a steering edit and captures, 3 prompts over 2 rows (a row serves a
+    second prompt): each answer equals the forward's greedy tokens with the edit, and its acts
+    equal the forward's over prompt + answer but its last token."""
+    v_D = jax.random.normal(jax.random.key(15), (llama.config.d_model,)) * 2
+    hooks = jaxkv.Hooks(capture=["resid_post", "attn_probs"], layers=[1],
+                        edit={("mlp_out", 1): jax.tree_util.Partial(add_vector, v_D=v_D)})
+    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 6, 11], [12, 3, 3, 40, 7]]
+    got = jaxkv.generate_many(llama, prompts, 6, batch_size=2, hooks=hooks)
+    for prompt, (ids, acts) in zip(prompts, got):
+        want = greedy_by_forward(llama, prompt, 6, hooks)
+        assert list(prompt) + list(ids) == want
+        _, ref = jaxkv.forward(llama, np.array([want[:-1]]), hooks=hooks)
+        n = len(want) - 1
+        assert acts["resid_post"].shape == (1, n, llama.config.d_model)
+        np.testing.assert_allclose(acts["resid_post"], ref["resid_post"][:, 0], atol=1e-4)
+        np.testing.assert_allclose(acts["attn_probs"][..., :n], ref["attn_probs"][:, 0],
+                                   atol=1e-5)
+        assert not acts["attn_probs"][..., n:].any()
+
+
+def test_loglikelihood_many_with_hooks_equals_forward(llama):
+    """Scored with an edit, requests sharing a context (a trie) and not: each log-probability
+    equals the forward's with the edit, and each request's captures equal the forward's over
+    context + continuation but its last token."""
+    v_D = jax.random.normal(jax.random.key(16), (llama.config.d_model,)) * 2
+    hooks = jaxkv.Hooks(capture=["resid_pre", "head_out"],
+                        edit={("resid_post", 0): jax.tree_util.Partial(add_vector, v_D=v_D)})
+    requests = [([5, 9, 2], [7, 1, 3]), ([5, 9, 2], [7, 4]), ([4, 6], [11]), ([8], [2, 2])]
+    results = jaxkv.loglikelihood_many(llama, requests, batch_size=2, hooks=hooks)
+    plain = jaxkv.loglikelihood_many(llama, requests, batch_size=2)
+    for (context, continuation), (logp, _, acts), (plain_logp, _) in zip(requests, results,
+                                                                         plain):
+        seq = context + continuation
+        logits_BTV, ref = jaxkv.forward(llama, np.array([seq[:-1]]), hooks=hooks)
+        logp_TV = jax.nn.log_softmax(logits_BTV[0, len(context) - 1:])
+        want = float(sum(logp_TV[i, t] for i, t in enumerate(continuation)))
+        assert logp == pytest.approx(want, abs=1e-4) and logp != pytest.approx(plain_logp)
+        for site in ("resid_pre", "head_out"):
+            np.testing.assert_allclose(acts[site], ref[site][:, 0], atol=1e-4, err_msg=site)
+    with pytest.raises(ValueError, match="attn_probs is not captured in passes over a shared"):
+        jaxkv.loglikelihood_many(llama, requests, hooks=jaxkv.Hooks(capture=["attn_probs"]))
+
+
+def test_an_edit_given_its_layer_sweeps_layers_in_one_program(llama):
+    """Activation patching over layers: an edit keyed (site, None) that takes the layer patches
+    the layer an array names; every target runs the same compiled forward, and equals an edit
+    keyed at that layer."""
+    def patch(x_BTD, pos_BT, layer, target, source_LBTD):
+        return jnp.where(layer == target, source_LBTD[layer], x_BTD)
+
+    def patch_one(x_BTD, pos_BT, source_BTD):
+        return source_BTD
+
+    clean_BT, corrupt_BT = random_tokens(17, (1, 6)), random_tokens(18, (1, 6))
+    _, clean = jaxkv.forward(llama, clean_BT, hooks=jaxkv.Hooks(capture=["resid_pre"]))
+    forward = jaxkv.core.decoder._forward
+    before = forward._cache_size()
+    for target in range(llama.config.n_layers):
+        edit = jax.tree_util.Partial(patch, target=jnp.int32(target),
+                                     source_LBTD=clean["resid_pre"])
+        got_BTV = jaxkv.forward(llama, corrupt_BT,
+                                hooks=jaxkv.Hooks(edit={("resid_pre", None): edit}))
+        one = jax.tree_util.Partial(patch_one, source_BTD=clean["resid_pre"][target])
+        want_BTV = jaxkv.forward(llama, corrupt_BT,
+                                 hooks=jaxkv.Hooks(edit={("resid_pre", target): one}))
+        np.testing.assert_array_equal(got_BTV[0], want_BTV[0])
+    assert forward._cache_size() == before + 1 + llama.config.n_layers
+
+
+def test_attn_probs_cannot_be_edited():
+    with pytest.raises(ValueError, match="'attn_probs' can be captured, not edited"):
+        jaxkv.Hooks(edit={("attn_probs", 0): lambda x, pos: x})
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_unchanged_edits_keep_generate_bitwise(llama, weights):
+    """bfloat16 and int8 weights: edits that return x as it came, at every site, with every
+    site captured, leave generate's tokens and the forward's logits bitwise as without hooks
+    (the sublayers' residual additions, unfused where edited, round as the fused ones)."""
+    params = jaxkv.cast(llama, jnp.bfloat16) if weights == "bfloat16" else jaxkv.quantize(llama)
+    hooks = jaxkv.Hooks(capture=ALL, edit={(site, None): (lambda x, pos: x) for site in ALL})
+    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 6, 11]]
+    tokens_BN, lengths_B, _ = jaxkv.generate(params, prompts, 12, hooks=hooks)
+    plain_BN, plain_B = jaxkv.generate(params, prompts, 12)
+    np.testing.assert_array_equal(tokens_BN, plain_BN)
+    np.testing.assert_array_equal(lengths_B, plain_B)
+    tokens_BT = random_tokens(19, (2, 9))
+    np.testing.assert_array_equal(jaxkv.forward(params, tokens_BT, hooks=hooks)[0],
+                                  jaxkv.forward(params, tokens_BT))
+
+
+GEMMA_LIKE = dataclasses.replace(
+    CONFIGS["llama_gqa"], post_norms=True, attn_softcap=0.5, logit_softcap=3.0,
+    scale_embeddings=True, qk_norm=True, attn_bias=True, sliding_window=5, window_layers=(0, 2),
+    local_rope_theta=100.0)
+
+
+def test_decode_captures_equal_forward_gemma_like():
+    """Sublayer outputs normed before the residual add, soft-capped scores and logits, q/k norms
+    and biases, window layers whose ring the steps pass: every site's decode captures (rows at
+    different positions) equal the forward's."""
+    params = jaxkv.init_params(GEMMA_LIKE, jax.random.key(20))
+    tokens_BT = np.asarray(random_tokens(21, (2, 11)))
+    hooks = jaxkv.Hooks(capture=ALL)
+    ref_BTV, ref = jaxkv.forward(params, tokens_BT, hooks=hooks)
+    got_BTV, got = decode_all(params, tokens_BT, [0, 3], hooks)
+    np.testing.assert_allclose(got_BTV, ref_BTV, atol=1e-4)
+    for site in ALL:
+        np.testing.assert_allclose(got[site], flat(site, ref[site]), atol=1e-4, err_msg=site)

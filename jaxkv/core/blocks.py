@@ -57,7 +57,7 @@ def add_out(config, b, x_BTD, o_BTNH, hook=None):
 
 
 def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv=None,
-                   prefix=None, write=True, hook=None, head_hook=None):
+                   prefix=None, write=True, hook=None, head_hook=None, probs=None):
     """Self-attention sublayer -> (x_BTD, (k_BKSH, v_BKSH)); turns_BT: the tokens' positions as
     RoPE needs them (`turns`: the layer's own, a window layer's when it has its own base).
 
@@ -68,18 +68,28 @@ def self_attention(config, b, x_BTD, turns_BT, mask_BTS=None, bias_BNTS=None, kv
     rows (a common prompt), attended once per group and merged by log-sum-exp.
     write=False leaves the cache as it was and returns this call's keys and values [B, K, T, H]
     in place of the cache's, for the caller to store where it chooses. hook: see add_out;
-    head_hook (optional) maps the heads' outputs [B, T, N, H] before their projection.
+    head_hook (optional) maps the heads' outputs [B, T, N, H] before their projection; probs
+    (optional, hooks.Tap._record_probs) is given the attention's arguments to record its
+    weights.
     """
     q_BTNH, k_BTKH, v_BTKH = project_qkv(config, b, x_BTD, turns_BT)
     k_BKTH, v_BKTH = jnp.swapaxes(k_BTKH, 1, 2), jnp.swapaxes(v_BTKH, 1, 2)
     scale, cap = config.attn_scale, config.attn_softcap
     if kv is None:
+        if probs:
+            probs(q_BTNH, k_BKTH, mask_BTS, scale, bias_BNTS, None, cap)
         o_BTNH = attend(q_BTNH, k_BKTH, v_BKTH, mask_BTS, scale, bias_BNTS, softcap=cap)
         o_BTNH = o_BTNH if head_hook is None else head_hook(o_BTNH)
         return add_out(config, b, x_BTD, o_BTNH, hook), (k_BKTH, v_BKTH)
     k_cache, v_cache, view = kv
     own = (k_BKTH, v_BKTH, view.own_mask_BTT,
            None if bias_BNTS is None else cache_lib.at_slots(bias_BNTS, view.slot_BT[:, None]))
+    if probs:
+        if prefix is not None:
+            raise ValueError("hooks: attn_probs is not captured in passes over a shared prefix "
+                             "(MultiDecode's); capture it in generate, prefill or decode_step")
+        probs(q_BTNH, k_cache, view.cache_mask_BTS, scale, bias_BNTS,
+              (own[0], *own[2:]), cap, view.key_pos_BS)
     dtype = x_BTD.dtype if prefix is None else None  # (merged with the prefix in float32)
     out_BTNH, lse_BTN, *written = ops.attention(
         q_BTNH, k_cache, v_cache, view.cache_mask_BTS, scale, bias_BNTS=bias_BNTS,

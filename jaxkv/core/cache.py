@@ -166,6 +166,7 @@ class View(NamedTuple):
     own_mask_BTT: jax.Array  # which of this call's tokens it reads
     kv_len: jax.Array | None  # no token reads a slot >= kv_len (attention skips them)
     lengths_B: jax.Array | None = None  # [B]: the slots read are exactly [0, lengths_B)
+    key_pos_BS: jax.Array | None = None  # position held by each slot read (None: slot s, s)
 
 
 def linear_view(mask_BTS, slot_BT, kv_len=None, lengths_B=None) -> View:
@@ -192,11 +193,10 @@ def ring_view(ring_pos_BR, window: int, mask_BTS, pos_BT, slot_BT, kv_len=None):
     near = lambda key_pos_BX: key_pos_BX[:, None, :] > pos_BT[:, :, None] - window  # noqa: E731
     cache_mask_BTR = allowed_BTR & near(ring_pos_BR) & ~rewritten_BR[:, None, :]
     own_mask_BTT = at_slots(mask_BTS, slot_BT) & near(pos_BT)
-    rows_B1 = jnp.arange(B)[:, None]
-    ring_pos_BR = ring_pos_BR.at[rows_B1, ring_slot_BT].set(pos_BT, mode="drop")
     view = View(ring_slot_BT, cache_mask_BTR, own_mask_BTT,
-                None if kv_len is None else jnp.minimum(kv_len, R))
-    return view, ring_pos_BR
+                None if kv_len is None else jnp.minimum(kv_len, R), key_pos_BS=ring_pos_BR)
+    rows_B1 = jnp.arange(B)[:, None]
+    return view, ring_pos_BR.at[rows_B1, ring_slot_BT].set(pos_BT, mode="drop")
 
 
 def at_slots(x_BXTS, slot_BT):

@@ -118,8 +118,8 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
     prefix: None or (k, v per layer [P, K, S', H], mask_PS', kv_len'): keys shared by groups
     of rows.
     write=False: the cache is only read, and (k, v) are this call's own, [B, K, T, H] per layer.
-    tap (optional, a hooks.Tap): each layer's sites resid_pre, head_out, attn_out, mlp_out and
-    resid_post.
+    tap (optional, a hooks.Tap): each layer's sites resid_pre, attn_probs, head_out, attn_out,
+    mlp_out and resid_post.
     """
     c = params.config
     local_BTS = c.window_layers and self_kv is None and window_mask(c, mask_BTS, pos_BT)
@@ -134,7 +134,8 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
         shared = None if prefix is None else (prefix[0][layer], prefix[1][layer], *prefix[2:])
         x_BTD, (k_BKSH, v_BKSH) = blocks.self_attention(
             c, b, x_BTD, turns[local], local_BTS if local else mask_BTS, bias_BNTS, kv, shared,
-            write, tap and tap.at("attn_out", layer), tap and tap.at("head_out", layer))
+            write, tap and tap.at("attn_out", layer), tap and tap.at("head_out", layer),
+            tap and tap.probs(layer))
         if cross is not None:
             x_BTD = blocks.cross_attention(c, params.cross[layer], x_BTD, cross[0][layer],
                                            cross[1][layer], cross[2])
@@ -166,7 +167,7 @@ def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None, h
 def _forward(params: Params, tokens_BT, cross, hooks):
     B, T = tokens_BT.shape
     pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
-    tap = hooks_lib.tap_for(hooks, pos_BT, params.config.n_layers)
+    tap = hooks_lib.tap_for(hooks, pos_BT, params.config.n_layers, n_keys=T)
     x_BTD = embed(params, tokens_BT, pos_BT)
     x_BTD = tap("embed", None, x_BTD) if tap else x_BTD
     bias = self_bias(params, pos_BT, pos_BT)
@@ -184,7 +185,7 @@ def per_call(x, tree):
 
 
 def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS, prefix=None,
-           kv_len=None):
+           kv_len=None, tap=None):
     """The general cached pass: hidden states [B, T, D] and the updated cache.
 
     tokens_BT sit at positions pos_BT (what RoPE / learned positions see) and their K/V are
@@ -201,11 +202,13 @@ def extend(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
     slot_BT is stored at all) and read the positions mask_BTS allows (slot s = position s) that
     are inside the window. They assume rows are written in position order: at most R tokens
     per call, and a row past its window may go back one position, not more (both are errors).
+    tap (optional, a hooks.Tap): as cached_pass's.
     """
     tokens_BT = checks.token_ids(params.config, tokens_BT, "tokens", 2)
     pos_BT = checks.int_array(pos_BT, "pos", 2, (0, checks.INT32_MAX), "is not a position")
     slot_BT = checks.int_array(slot_BT, "slot", 2, (0, checks.INT32_MAX), "is not a cache slot")
-    return cached_pass(params, cache, tokens_BT, pos_BT, slot_BT, mask_BTS, prefix, kv_len)
+    return cached_pass(params, cache, tokens_BT, pos_BT, slot_BT, mask_BTS, prefix, kv_len,
+                       tap=tap)
 
 
 def cached_pass(params: Params, cache: KVCache, tokens_BT, pos_BT, slot_BT, mask_BTS,
@@ -281,7 +284,7 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
         slot_BC = jnp.where(t_BC < lengths_B[:, None], pos_BC, cache.capacity)
         # The cache as it was reads only slots before this chunk (its own are read as own keys).
         kv_len = jnp.max(start_B + jnp.minimum(lengths_B, i * C))
-        tap = hooks_lib.tap_for(hooks, pos_BC, L)
+        tap = hooks_lib.tap_for(hooks, pos_BC, L, n_keys=cache.capacity)
         x_BCD, cache = cached_pass(params, cache, tokens_BC, pos_BC, slot_BC,
                                    causal_mask(pos_BC, cache.capacity), kv_len=kv_len, tap=tap)
         if tap and hooks.captures("final", None):  # (the logits below are the last token's only)
@@ -293,7 +296,8 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
         last_BD = jnp.where(((end_B >= 0) & (end_B < C))[:, None], x_BD, last_BD)
         return (cache, last_BD, acts), None
 
-    acts = hooks_lib.empty_acts(hooks, params.config, B, n * C, params.embed.dtype)
+    acts = hooks_lib.empty_acts(hooks, params.config, B, n * C, params.embed.dtype,
+                                cache.capacity)
     first = (cache, jnp.zeros((B, D), params.embed.dtype), acts)
     if n == 1:
         (cache, last_BD, acts), _ = chunk_pass(first, (0, tokens_NBC[0]))
@@ -340,7 +344,7 @@ def decode_step(params: Params, cache: KVCache, token, pos, hooks=None):
     count_trace("decode_step")
     token_B, pos_B = checks.decode_args(params.config, cache, token, pos)
     pos_BT = pos_B[:, None]
-    tap = hooks_lib.tap_for(hooks, pos_BT, params.config.n_layers)
+    tap = hooks_lib.tap_for(hooks, pos_BT, params.config.n_layers, n_keys=cache.capacity)
     x_BTD, cache = cached_pass(params, cache, token_B[:, None], pos_BT, pos_BT,
                                causal_mask(pos_BT, cache.capacity), kv_len=jnp.max(pos_B) + 1,
                                lengths_B=pos_B, tap=tap)

@@ -1,9 +1,14 @@
 """Hooks: read (capture) and edit activations at named sites of a decoder pass, inside the
 compiled program.
 
-Sites, each [B, T, D] (T: the positions this pass processes) but head_out:
+Sites, each [B, T, D] (T: the positions this pass processes) but head_out and attn_probs:
   embed       the token (and learned position) embeddings entering layer 0
   resid_pre   per layer: the residual stream entering the layer
+  attn_probs  per layer: each query head's softmax weights over the keys it reads, by key
+              position: [B, N, T, S], index s the key at position s (S: T in the uncached
+              forward, the cache's capacity in cached passes; 0 where a query does not read
+              position s, as outside a sliding window). Capture only: recomputed beside the
+              attention in XLA, float32 (a backend's kernel keeps no weights)
   head_out    per layer: each query head's attention output before the output projection,
               [B, T, N, H] (an edit that zeroes head n ablates it)
   attn_out    per layer: the self-attention sublayer's output, projected back to D (and normed,
@@ -16,21 +21,28 @@ Hooks(capture=("resid_post", ...), layers=None, edit={(site, layer): fn}): `laye
 says which layers the per-layer captures take; an edit's layer None means every layer (and is
 the only layer for embed and final). fn(x, pos_BT) -> x is traced JAX: it may close over
 arrays (a steering vector), and a capture records x after the edit, as the rest of the model
-reads it. A closure is part of the program's structure, so a new one compiles again; wrap
+reads it. An edit that takes a third argument is also given the layer (an int; None at embed
+and final): one edit keyed (site, None) can then act at a layer chosen by an array, so a sweep
+over layers (activation patching) runs one compiled program. A closure is part of the program's structure, so a new one compiles again; wrap
 arrays as arguments with jax.tree_util.Partial(fn, array) to reuse the program for new values.
 The captures come back as acts: {site: [L', B, T, D]} for the per-layer sites (L' the captured
-layers in the model's order, each once; head_out [L', B, T, N, H]), {site: [B, T, D]} for
-embed and final.
+layers in the model's order, each once; head_out [L', B, T, N, H], attn_probs [L', B, N, T,
+S]), {site: [B, T, D]} for embed and final.
 """
 
 import dataclasses
 import functools
+import inspect
 import math
 import os
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-LAYER_SITES = ("resid_pre", "head_out", "attn_out", "mlp_out", "resid_post")
+from jaxkv import ops
+
+LAYER_SITES = ("resid_pre", "attn_probs", "head_out", "attn_out", "mlp_out", "resid_post")
 SITES = ("embed", *LAYER_SITES, "final")
 
 
@@ -60,6 +72,10 @@ class Hooks:
         for key, fn in dict(self.edit).items():
             site, layer = key if isinstance(key, tuple) else (key, None)
             _check_site(site, "edit")
+            if site == "attn_probs":
+                raise ValueError("Hooks edit: 'attn_probs' can be captured, not edited (the "
+                                 "attention that reads it runs in the backend's kernel); edit "
+                                 "'head_out' to change what a head writes")
             if layer is not None and site not in LAYER_SITES:
                 raise ValueError(f"Hooks edit: {site!r} has no layers; key it ({site!r}, None)")
             edit[(site, None if layer is None else int(layer))] = _as_tree(fn)
@@ -97,6 +113,18 @@ class Hooks:
         return self.captures(site, layer) or (site, layer) in self.edit or (site, None) in self.edit
 
 
+def _takes_layer(fn) -> bool:
+    """Whether an edit takes a third argument, the layer it is applied at."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # (a builtin without a signature)
+        return False
+    kinds = [p.kind for p in params]
+    return inspect.Parameter.VAR_POSITIONAL in kinds or sum(
+        k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for k in kinds) >= 3
+
+
 def _check_site(site, what):
     if site not in SITES:
         raise ValueError(f"Hooks {what}: unknown site {site!r}; the sites are {', '.join(SITES)}")
@@ -104,20 +132,21 @@ def _check_site(site, what):
 
 class Tap:
     """One pass's hooks at positions pos_BT, and the captures it has made (acts; none where
-    record is False: edits only)."""
+    record is False: edits only); n_keys: the key positions attn_probs spans (S)."""
 
-    def __init__(self, hooks: Hooks, pos_BT, record: bool = True):
+    def __init__(self, hooks: Hooks, pos_BT, record: bool = True, n_keys: int | None = None):
         self.hooks, self.pos_BT, self.record, self.acts = hooks, pos_BT, record, {}
+        self.n_keys = n_keys
 
     def __call__(self, site: str, layer: int | None, x_BTD):
         """x at (site, layer) after the edit that applies there, recorded where captured."""
         edit = self.hooks.edit
         fn = edit.get((site, layer), edit.get((site, None)))
         if fn is not None:
-            y = fn(x_BTD, self.pos_BT)
-            if jax.numpy.shape(y) != x_BTD.shape:
+            y = fn(x_BTD, self.pos_BT, layer) if _takes_layer(fn) else fn(x_BTD, self.pos_BT)
+            if jnp.shape(y) != x_BTD.shape:
                 raise ValueError(f"Hooks edit at ({site!r}, {layer}): expected x's shape "
-                                 f"{x_BTD.shape} back, got {jax.numpy.shape(y)}")
+                                 f"{x_BTD.shape} back, got {jnp.shape(y)}")
             x_BTD = y.astype(x_BTD.dtype)
         if self.record and self.hooks.captures(site, layer):
             self.acts.setdefault(site, []).append(x_BTD)
@@ -128,27 +157,63 @@ class Tap:
         the sublayer keeps its fused form)."""
         return functools.partial(self, site, layer) if self.hooks.touches(site, layer) else None
 
+    def probs(self, layer: int):
+        """A function recording attn_probs at layer from the attention's arguments (see
+        _record_probs), or None where it is not captured."""
+        if self.record and self.hooks.captures("attn_probs", layer):
+            return self._record_probs
+        return None
+
+    def _record_probs(self, q_BTNH, k_BKSH, mask_BTS, scale, bias_BNTS, own, softcap,
+                      key_pos_BS=None):
+        """attn_probs of attention over the cache's keys k_BKSH (their positions key_pos_BS;
+        None: key s at position s) and own = (k_BKTH, mask_BTT, bias_BNTT) at pos_BT, or None."""
+        w = ops.attention_weights(q_BTNH, k_BKSH, mask_BTS, scale, bias_BNTS=bias_BNTS, own=own,
+                                  softcap=softcap)
+        parts = [(w, key_pos_BS)] if own is None else [(w[0], key_pos_BS), (w[1], self.pos_BT)]
+        probs_BNTS = sum(by_position(w_BNTX, pos_BX, self.n_keys) for w_BNTX, pos_BX in parts)
+        self.acts.setdefault("attn_probs", []).append(probs_BNTS)
+
     def captured(self) -> dict:
         """acts: per-layer sites stacked on a leading axis of the captured layers."""
-        return {site: (jax.numpy.stack(xs) if site in LAYER_SITES else xs[0])
+        return {site: (jnp.stack(xs) if site in LAYER_SITES else xs[0])
                 for site, xs in self.acts.items()}
 
 
-def tap_for(hooks: Hooks | None, pos_BT, n_layers: int, record: bool = True):
+def by_position(w_BNTX, key_pos_BX, n_keys: int):
+    """Weights over X keys at positions key_pos_BX (None: key x at position x, X == n_keys) as
+    weights over positions [B, N, T, n_keys]; keys at no position in [0, n_keys) (an empty ring
+    slot's -1) are dropped."""
+    if key_pos_BX is None:
+        return w_BNTX
+    B, N, T, X = w_BNTX.shape
+    at_BX = jnp.where((key_pos_BX >= 0) & (key_pos_BX < n_keys), key_pos_BX, n_keys)
+    w_BXNT = jnp.transpose(w_BNTX, (0, 3, 1, 2))
+    out_BSNT = jnp.zeros((B, n_keys, N, T), w_BNTX.dtype).at[
+        jnp.arange(B)[:, None], jnp.broadcast_to(at_BX, (B, X))].add(w_BXNT, mode="drop")
+    return jnp.transpose(out_BSNT, (0, 2, 3, 1))
+
+
+def tap_for(hooks: Hooks | None, pos_BT, n_layers: int, record: bool = True,
+            n_keys: int | None = None):
     """A Tap for hooks (checked against the model's layers), or None for no hooks."""
     if hooks is None:
         return None
     if not isinstance(hooks, Hooks):
         raise TypeError(f"hooks: expected a jaxkv.Hooks, got {type(hooks).__name__}")
     hooks.check_layers(n_layers)
-    return Tap(hooks, pos_BT, record)
+    return Tap(hooks, pos_BT, record, n_keys)
 
 
-def shape(site: str, config, B: int, T: int, n_layers: int | None = None) -> tuple:
+def shape(site: str, config, B: int, T: int, n_layers: int | None = None,
+          n_keys: int | None = None) -> tuple:
     """A capture's shape over n_layers layers (default all) for the per-layer sites: [L', B, T,
-    ...], else [B, T, D]; head_out's last two [N, H], the others' D."""
-    tail = (config.n_heads, config.head_dim) if site == "head_out" else (config.d_model,)
+    ...], else [B, T, D]; head_out's last two [N, H], the others' D; attn_probs [L', B, N, T,
+    n_keys]."""
     layers = (config.n_layers if n_layers is None else n_layers,)
+    if site == "attn_probs":
+        return layers + (B, config.n_heads, T, n_keys)
+    tail = (config.n_heads, config.head_dim) if site == "head_out" else (config.d_model,)
     return (layers if site in LAYER_SITES else ()) + (B, T) + tail
 
 
@@ -157,12 +222,25 @@ def _t_axis(site: str, x) -> int:
     return x.ndim - (3 if site == "head_out" else 2)
 
 
-def empty_acts(hooks: Hooks | None, config, B: int, T: int, dtype) -> dict:
-    """Zeros for a loop's captures of T positions over the captured layers."""
+def _b_axis(site: str, x) -> int:
+    """The axis of rows in a capture x of site."""
+    return x.ndim - (4 if site in ("head_out", "attn_probs") else 3)
+
+
+def _dtype(site: str, dtype):
+    """What a capture of site is kept as: attn_probs float32, the others the model's dtype."""
+    return jnp.float32 if site == "attn_probs" else dtype
+
+
+def empty_acts(hooks: Hooks | None, config, B: int, T: int, dtype,
+               n_keys: int | None = None) -> dict:
+    """Zeros for a loop's captures of T positions over the captured layers (attn_probs over
+    n_keys key positions)."""
     if hooks is None:
         return {}
     n = None if hooks.layers is None else len(hooks.layers)
-    return {site: jax.numpy.zeros(shape(site, config, B, T, n), dtype) for site in hooks.capture}
+    return {site: jnp.zeros(shape(site, config, B, T, n, n_keys), _dtype(site, dtype))
+            for site in hooks.capture}
 
 
 def positions(acts: dict, end: int) -> dict:
@@ -172,7 +250,7 @@ def positions(acts: dict, end: int) -> dict:
         x = jax.lax.slice_in_dim(x, 0, min(end, x.shape[axis]), axis=axis)
         pad = [(0, 0)] * x.ndim
         pad[axis] = (0, end - x.shape[axis])
-        return jax.numpy.pad(x, pad)
+        return jnp.pad(x, pad)
     return {site: cut(site, x) for site, x in acts.items()}
 
 
@@ -188,23 +266,54 @@ def put_at(acts: dict, captured: dict, t0):
 
 
 def put_rows(acts: dict, captured: dict, t_B):
-    """acts with one position's captures (T = 1) written at index t_B[b] of each row b."""
+    """acts with one position's captures (T = 1) written at index t_B[b] of each row b (an
+    index outside the buffer: not written)."""
+    return put_positions(acts, captured, jnp.arange(t_B.shape[0]), t_B[:, None])
+
+
+def put_positions(acts: dict, captured: dict, rows_R, t_RU):
+    """acts with captures of R rows x U positions written at rows rows_R, indices t_RU
+    (indices outside the buffer: not written)."""
     def put(site, buf, x):
-        axis, rows_B = _t_axis(site, x), jax.numpy.arange(t_B.shape[0])
-        at = (slice(None),) * (axis - 1) + (rows_B, t_B)
-        return buf.at[at].set(jax.numpy.take(x, 0, axis=axis).astype(buf.dtype))
+        b, t = _b_axis(site, x), _t_axis(site, x)
+        at = [slice(None)] * x.ndim
+        at[b], at[t] = rows_R[:, None], t_RU
+        # (advanced indices apart, as attn_probs' B and T, index the result's first axes)
+        x = x if t == b + 1 else jnp.moveaxis(x, (b, t), (0, 1))
+        return buf.at[tuple(at)].set(x.astype(buf.dtype), mode="drop")
     return {site: put(site, buf, captured[site]) if site in captured else buf
             for site, buf in acts.items()}
 
 
-def check_fits(hooks: Hooks | None, config, B: int, T: int, dtype, device=None):
+def joined(acts_list: list) -> dict:
+    """Captures of consecutive passes (each {site: [.., B, T_i, ..]}) joined along positions."""
+    return {site: jnp.concatenate([a[site] for a in acts_list], axis=_t_axis(site, x))
+            for site, x in (acts_list[0].items() if acts_list else ())}
+
+
+def row_acts(acts: dict, row: int, end: int) -> dict:
+    """Row `row`'s captures at indices [0, end), as numpy arrays without the row axis."""
+    def take(site, x):
+        x = jnp.take(x, row, axis=_b_axis(site, x))
+        return np.asarray(jax.lax.slice_in_dim(x, 0, end, axis=_t_axis(site, x)))
+    return {site: take(site, x) for site, x in acts.items()}
+
+
+def gathered(acts: dict, t_U) -> dict:
+    """acts at indices t_U of their positions, in that order."""
+    return {site: jnp.take(x, jnp.asarray(t_U, jnp.int32), axis=_t_axis(site, x))
+            for site, x in acts.items()}
+
+
+def check_fits(hooks: Hooks | None, config, B: int, T: int, dtype, device=None,
+               n_keys: int | None = None):
     """An error, before anything runs, where a loop's captures (empty_acts') would take more
     than half the memory of the device (its allocator's limit; the host's RAM on a CPU)."""
     if hooks is None or not hooks.capture:
         return
     n = config.n_layers if hooks.layers is None else len(hooks.layers)
-    size = sum(math.prod(shape(site, config, B, T, n)) for site in hooks.capture)
-    size *= jax.numpy.dtype(dtype).itemsize
+    size = sum(math.prod(shape(site, config, B, T, n, n_keys)) *
+               jnp.dtype(_dtype(site, dtype)).itemsize for site in hooks.capture)
     device = device or jax.devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     limit = (stats or {}).get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf(

@@ -18,6 +18,7 @@ from flax import struct
 
 from jaxkv.core import cache as cache_lib
 from jaxkv.core import checks
+from jaxkv.core import hooks as hooks_lib
 from jaxkv.core.attention import causal_mask
 from jaxkv.core.cache import KVCache
 from jaxkv.core.decoder import cached_pass, init_cache, logits, prefill_padded
@@ -46,6 +47,7 @@ class Rows:
     budget: jax.Array  # [B] int32: the row's prompt's max_new_tokens
     sampling: SamplingParams  # [B] each: the row's prompt's
     answers: answers_lib.Answers  # done: ended, idle, or its prompt still being admitted
+    acts: dict = struct.field(default_factory=dict)  # hooks' captures [.., B, capacity, D]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +63,10 @@ class Scored:
 
 
 def empty_rows(params, batch_size: int, capacity: int, max_new_tokens: int,
-               stop_prefixes: int = 0, logprobs: int | None = None, paging=None) -> Rows:
-    """paging: a blocks.Paging (the global layers then a pool of its size), or None."""
+               stop_prefixes: int = 0, logprobs: int | None = None, paging=None,
+               hooks=None) -> Rows:
+    """paging: a blocks.Paging (the global layers then a pool of its size), or None; hooks:
+    their captures' buffers, by position."""
     B, V = batch_size, params.config.vocab_size
     answers = answers_lib.empty(B, max_new_tokens, stop_prefixes, seen_BV=jnp.zeros((B, V), bool),
                                 done_B=jnp.ones((B,), bool), logprobs=logprobs)
@@ -70,7 +74,9 @@ def empty_rows(params, batch_size: int, capacity: int, max_new_tokens: int,
                                             blocks=paging.pool.blocks)
     return Rows(init_cache(params, B, capacity, **blocks), jnp.zeros((B, V), jnp.float32),
                 jnp.zeros((B,), jnp.int32), row_keys(None, B), jnp.zeros((B,), jnp.int32),
-                sampling_params(B), answers)
+                sampling_params(B), answers,
+                hooks_lib.empty_acts(hooks, params.config, B, capacity, params.embed.dtype,
+                                     capacity))
 
 
 def placed(rows: Rows, mesh) -> Rows:
@@ -83,28 +89,33 @@ def placed(rows: Rows, mesh) -> Rows:
 
 @functools.partial(jax.jit, donate_argnames="rows")
 def admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampling, first,
-          table_M=None, seen_V=None) -> Rows:
+          table_M=None, seen_V=None, hooks=None) -> Rows:
     """Prefills tokens_P[:length] into row `row` at positions start.. (first: a new prompt's
     first piece, which forgets the row's last prompt). The row starts decoding once start +
     length is the whole prompt, i.e. when called with its last piece: the caller says so through
     budget > 0. key and sampling (scalars each) are the prompt's own. A paged cache's row reads
     and writes through table_M; seen_V: the prompt's tokens before start that the row did not
-    compute (read from blocks another prompt computed), for the repetition penalty."""
+    compute (read from blocks another prompt computed), for the repetition penalty. hooks:
+    edits applied, captures written at the row's positions."""
     count_trace("admit")
     with checks.trusted():  # row, start and length come from Schedule, which checked them
         return _admit(params, rows, row, tokens_P, length, start, key, budget, sampling, first,
-                      table_M, seen_V)
+                      table_M, seen_V, hooks)
 
 
 def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampling, first,
-           table_M, seen_V) -> Rows:
+           table_M, seen_V, hooks) -> Rows:
     cache_1 = cache_lib.row_of(rows.cache, row)
     if table_M is not None:
         cache_1 = cache_lib.with_table(cache_1, table_M[None])
     if cache_1.ring_pos is not None:  # a new prompt: the ring's positions are another row's
         cache_1 = cache_1.replace(ring_pos=jnp.where(first, -1, cache_1.ring_pos))
-    logits_1V, cache_1 = prefill_padded(params, cache_1, tokens_P[None], length[None],
-                                        start[None])
+    logits_1V, cache_1, *acts = prefill_padded(params, cache_1, tokens_P[None], length[None],
+                                               start[None], hooks=hooks)
+    if acts:
+        t_P = jnp.arange(tokens_P.shape[0])
+        at_1P = jnp.where(t_P < length, start + t_P, rows.cache.capacity)[None]
+        rows = rows.replace(acts=hooks_lib.put_positions(rows.acts, acts[0], row[None], at_1P))
     a = rows.answers
     before_V = jnp.where(first, False if seen_V is None else seen_V, a.seen[row])
     seen_V = before_V | answers_lib.prompt_seen(a.seen.shape[1], tokens_P[None], length[None])[0]
@@ -118,15 +129,15 @@ def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampli
 
 
 @functools.partial(jax.jit, donate_argnames="rows")
-def decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps) -> Rows:
+def decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps, hooks=None) -> Rows:
     """Up to max_steps tokens for every decoding row; returns early once some row ends (EOS,
-    a stop string, or its budget)."""
+    a stop string, or its budget). hooks: edits applied, captures written at the positions."""
     count_trace("decode_rows")
     with checks.trusted():  # positions stay below the capacity Schedule checked
-        return _decode(params, rows, eos_E, stop, max_steps)
+        return _decode(params, rows, eos_E, stop, max_steps, hooks)
 
 
-def _decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps) -> Rows:
+def _decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps, hooks) -> Rows:
     B = rows.pos.shape[0]
 
     def step(carry):
@@ -136,13 +147,17 @@ def _decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps) -> Rows:
         answers, ended_B = answers_lib.append(answers, token_B[:, None],
                                               jnp.ones((B,), jnp.int32), eos_E, stop, rows.budget)
         going_B = ~answers.done
-        pos_B1 = rows.pos[:, None]
+        pos_B1, capacity = rows.pos[:, None], rows.cache.capacity
+        tap = hooks_lib.tap_for(hooks, pos_B1, params.config.n_layers, n_keys=capacity)
         x_B1D, cache = cached_pass(params, rows.cache, token_B[:, None], pos_B1,
-                                   jnp.where(going_B[:, None], pos_B1, rows.cache.capacity),
-                                   causal_mask(pos_B1, rows.cache.capacity),
-                                   kv_len=jnp.max(jnp.where(going_B, rows.pos, 0)) + 1)
-        rows = rows.replace(cache=cache, logits=logits(params, x_B1D)[:, 0],
-                            pos=rows.pos + going_B, answers=answers)
+                                   jnp.where(going_B[:, None], pos_B1, capacity),
+                                   causal_mask(pos_B1, capacity),
+                                   kv_len=jnp.max(jnp.where(going_B, rows.pos, 0)) + 1, tap=tap)
+        logits_BV = logits(params, x_B1D, tap)[:, 0]
+        acts = rows.acts if tap is None else hooks_lib.put_rows(
+            rows.acts, tap.captured(), jnp.where(going_B, rows.pos, capacity))
+        rows = rows.replace(cache=cache, logits=logits_BV, pos=rows.pos + going_B,
+                            answers=answers, acts=acts)
         return rows, n + 1, ended_B.any()
 
     def more(carry):
@@ -178,7 +193,11 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
     value per prompt (temperature ..., max_new_tokens, indices) apply to that prompt, whichever
     row serves it, and a list of prompts needs exactly one each. logprobs=k: each answer is a
     Scored (ids, each token's log-probability under the model's own distribution, the k
-    likeliest tokens with theirs) instead of its ids. name_of(i): how errors name prompt i
+    likeliest tokens with theirs) instead of its ids. hooks (a jaxkv.Hooks): its edits apply
+    to every pass, and each answer comes as (answer, acts), acts {site: [L', T, D]} (attn_probs
+    [L', N, T, capacity]) numpy arrays of the prompt's and answer's positions 0..T-1 (T = prompt
+    + answer - 1: the last token drawn is never passed through); a cached prefix holds no
+    captures, so capturing turns prefix_cache off. name_of(i): how errors name prompt i
     (default: prompts[i]).
 
     Nothing finished is lost: a list of prompts is checked whole before anything is computed;
@@ -214,8 +233,12 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
 def iter_tokens(params, prompt, max_new_tokens: int, *, steps: int = 1, **options) -> Iterator:
     """One prompt's answer as it is drawn: lists of new ids, one per compiled call of up to
     `steps` decode steps (a program with no host callback, unlike generate's on_token).
-    Options as iter_many's; the answer equals generate's for the prompt."""
+    Options as iter_many's (hooks: edits only; generate_many returns captures); the answer
+    equals generate's for the prompt."""
     steps = checks.int_arg(steps, "iter_tokens: steps")
+    if getattr(options.get("hooks"), "capture", None):
+        raise ValueError("iter_tokens: hooks that capture are not supported (a stream returns "
+                         "ids only); use generate_many or generate for captures")
     schedule = Schedule(params, [prompt], max_new_tokens, 1, **options)
     schedule.fill()
     yield from schedule.stream(steps)
@@ -228,7 +251,7 @@ class Schedule:
                  top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                  eos_id=None, stop=None, tokenizer=None, max_len=None, indices=None,
                  logprobs=None, block_size=16, cache_tokens=None, prefix_cache=True,
-                 mesh=None, limit=None, name_of=None):
+                 mesh=None, limit=None, name_of=None, hooks=None):
         """mesh: rows over its data axis, the model over its model axis (a mesh may span
         processes: every process then runs the same Schedule). limit: how an error names the
         cache's positions (default: max_len, the model's max_seq_len, or the cache's size, as
@@ -264,22 +287,32 @@ class Schedule:
         if logprobs is not None and checks.int_arg(logprobs, "logprobs", 0) > c.vocab_size:
             raise ValueError(f"logprobs must be at most the vocabulary's {c.vocab_size} tokens, "
                              f"got {logprobs}")
+        hooks_lib.tap_for(hooks, None, c.n_layers)  # (checks hooks)
+        if hooks is not None and mesh is not None:
+            raise ValueError("hooks: generate_many with a mesh does not capture or edit yet; "
+                             "use generate(..., mesh=, hooks=)")
+        self.hooks = hooks
+        prefix_cache = checks.bool_arg(prefix_cache, "prefix_cache") and not (
+            hooks is not None and hooks.capture)  # (reused blocks would hold no captures)
         self.paging = blocks_lib.paging_for(c, work, self.budgets, batch_size, self.capacity,
-                                            block_size, cache_tokens,
-                                            checks.bool_arg(prefix_cache, "prefix_cache"))
+                                            block_size, cache_tokens, prefix_cache)
         if self.paging is not None:
             self.capacity = self.paging.per_row * self.paging.pool.size  # whole blocks
             for i, _, ids in work if self.count is not None else ():
                 self.fits_pool(i, ids)
         self.queue, self.waiting = iter(work), None
+        hooks_lib.check_fits(hooks, c, batch_size, self.capacity, params.embed.dtype,
+                             n_keys=self.capacity)
         self.rows = placed(empty_rows(params, batch_size, self.capacity, self.N,
-                                      self.stop.completes.shape[1], logprobs, self.paging), mesh)
+                                      self.stop.completes.shape[1], logprobs, self.paging,
+                                      hooks), mesh)
         # row -> [prompt index, ids, ids prefilled, budget, where the row forgets its last
         # prompt (None: it continues it, as Chat's turns do)]
         self.serving = [None] * batch_size
 
     def decode(self, steps: int):
-        self.rows = decode(self.params, self.rows, self.eos_E, self.stop, jnp.int32(steps))
+        self.rows = decode(self.params, self.rows, self.eos_E, self.stop, jnp.int32(steps),
+                           self.hooks)
 
     def fill(self) -> bool:
         """Gives every free row the next prompt (a paged cache's pool permitting: a prompt it
@@ -389,7 +422,7 @@ class Schedule:
                 self.rows = admit(self.params, self.rows, jnp.int32(b), tokens_P,
                                   jnp.int32(len(piece)), jnp.int32(start), self.prompt_key(i),
                                   jnp.int32(budget if s[2] == len(ids) else 0),
-                                  self.sampling(i), start == fresh, **paged)
+                                  self.sampling(i), start == fresh, **paged, hooks=self.hooks)
                 if self.paging is not None:
                     self.paging.wrote(b, s[2])
 
@@ -420,6 +453,8 @@ class Schedule:
                 top = [list(zip(i.tolist(), p.tolist()))
                        for i, p in zip(top_ids[b, :n], top_logprob[b, :n])]
                 ids = Scored(ids, logprob[b, :n].tolist(), top)
+            if self.hooks is not None:
+                ids = (ids, hooks_lib.row_acts(self.rows.acts, b, len(self.serving[b][1]) + n - 1))
             yield self.serving[b][0], ids
             self.serving[b] = None
 

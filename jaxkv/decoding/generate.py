@@ -100,7 +100,8 @@ def generate(params, prompts, max_new_tokens: int, **options):
     are split over "data", heads / MLP width / vocabulary over "model"; kv_dtype: the cache's
     dtype (init_cache's: float32, bfloat16, float16 or int8; default the params'); hooks: a
     jaxkv.Hooks, whose edits apply to every pass and whose captures come back as a third
-    result, acts {site: [.., B, capacity, D]}: index t is row b's position t, prompt and
+    result, acts {site: [.., B, capacity, D]} (attn_probs [L', B, N, capacity, capacity]):
+    index t is row b's position t, prompt and
     generated (the last token drawn is never passed through, so a row's positions up to its
     prompt length + its length - 2 hold captures; the rest zeros or the prompt's padding).
     """
@@ -161,7 +162,7 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
         params, per_row, encoder = (shard_params(params, mesh), shard_rows(per_row, mesh),
                                     shard_rows(encoder, mesh))
     hooks_lib.tap_for(hooks, None, c.n_layers)  # (checks hooks)
-    hooks_lib.check_fits(hooks, c, B, capacity, params.embed.dtype)
+    hooks_lib.check_fits(hooks, c, B, capacity, params.embed.dtype, n_keys=capacity)
     args = (params, *per_row, eos_E, jnp.int32(pad_id), suppress_V, begin_V,
             stops.tables(c, stop, tokenizer), *encoder, hooks)
     if on_token is not None and mesh is not None and mesh.is_multi_process:

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.core import checks
+from jaxkv.core import hooks as hooks_lib
 from jaxkv.core.sharding import check_mesh, fetch, shard_params
 from jaxkv.decoding.multidecode import check_positions, forest_pass, make_prefix, trie
 
 
 def loglikelihood_many(params, requests: Sequence, *, batch_size: int = 16,
-                       kv_dtype=None, mesh=None) -> list[tuple[float, bool]]:
+                       kv_dtype=None, mesh=None, hooks=None) -> list[tuple[float, bool]]:
     """For each request (context ids, continuation ids): (the continuation's summed
     log-probability given the context, whether greedy decoding from the context gives exactly
     the continuation), in the requests' order.
@@ -32,9 +33,16 @@ def loglikelihood_many(params, requests: Sequence, *, batch_size: int = 16,
     errors name the request's index. batch_size: contexts prefilled at once. kv_dtype: the
     caches' (init_cache's dtype). mesh: contexts over its data axis, the model over its model
     axis (a mesh may span processes: every process passes the same requests and gets every
-    result)."""
+    result). hooks (a jaxkv.Hooks): its edits apply to every pass (a steering vector or an
+    ablation scored on a data set), and each result gains a third item, acts {site: [L', T,
+    D]} numpy arrays of the positions fed, context then continuation less its last token
+    (attn_probs is not captured here: the continuations read their context as a shared
+    prefix)."""
     checks.int_arg(batch_size, "batch_size")
     pairs = checked_requests(params.config, requests)
+    hooks_lib.tap_for(hooks, None, params.config.n_layers)  # (checks hooks)
+    if hooks is not None and mesh is not None:
+        raise ValueError("hooks: loglikelihood_many with a mesh does not capture or edit yet")
     if check_mesh(mesh) is not None:
         params = shard_params(params, mesh)
     by_context: dict[tuple, list[int]] = {}
@@ -46,10 +54,12 @@ def loglikelihood_many(params, requests: Sequence, *, batch_size: int = 16,
         batch = contexts[start:start + batch_size]
         batch += [batch[-1]] * (batch_size - len(batch))  # one shape for every batch
         tries = [trie([pairs[i][1] for i in by_context[c]]) for c in batch]
-        logp, greedy = _score_tries(params, batch, tries, kv_dtype, mesh)
+        logp, greedy, acts = _score_tries(params, batch, tries, kv_dtype, mesh, hooks)
         for b, context in enumerate(batch[:len(contexts) - start]):
             for i, path in zip(by_context[context], tries[b][2]):
                 results[i] = (float(logp[b, path].sum()), bool(greedy[b, path].all()))
+                if hooks is not None:
+                    results[i] += (_path_acts(acts, b, len(context), path),)
     return results
 
 
@@ -79,24 +89,38 @@ def checked_requests(config, requests: Sequence) -> list[tuple[np.ndarray, np.nd
     return pairs
 
 
-def _score_tries(params, contexts, tries, kv_dtype, mesh):
+def _score_tries(params, contexts, tries, kv_dtype, mesh, hooks=None):
     """Per trie node (padded): its token's log-probability given its path and whether it is the
-    argmax there; [B, N] numpy arrays. Only the nodes with children are fed to the model."""
-    prefix = make_prefix(params, [list(c) for c in contexts], kv_dtype=kv_dtype, mesh=mesh)
+    argmax there; [B, N] numpy arrays. Only the nodes with children are fed to the model. With
+    hooks, also (the contexts' captures [.., B, T, D], the fed nodes' [.., B, M, D], per trie
+    the node each fed row is); else None."""
+    prefix = make_prefix(params, [list(c) for c in contexts], kv_dtype=kv_dtype, mesh=mesh,
+                         hooks=hooks)
+    prefix, context_acts = prefix if hooks is not None else (prefix, None)
     fed = [_fed(parents) for _, parents, _ in tries]
     check_positions(params, prefix, max(1, *(int(f[0].size) for f in fed)))
     # a trie with no inner node still gets one lone root (its logits unread): forests are not empty
-    logits_BMV, _, _ = forest_pass(params, [t[0][f[0]] if f[0].size else np.zeros(1, np.int32)
-                                            for t, f in zip(tries, fed)],
-                                   [f[1] if f[1].size else np.full(1, -1, np.int32) for f in fed],
-                                   prefix)
+    logits_BMV, _, _, *node_acts = forest_pass(
+        params, [t[0][f[0]] if f[0].size else np.zeros(1, np.int32) for t, f in zip(tries, fed)],
+        [f[1] if f[1].size else np.full(1, -1, np.int32) for f in fed], prefix, hooks)
     N = max(t[0].size for t in tries)
     tokens_BN, source_BN = np.zeros((len(tries), N), np.int32), np.full((len(tries), N), -1,
                                                                         np.int32)
     for b, ((tokens, _, _), (_, _, source)) in enumerate(zip(tries, fed)):
         tokens_BN[b, :tokens.size], source_BN[b, :source.size] = tokens, source
     logp, greedy = _node_scores(logits_BMV, prefix.logits, tokens_BN, source_BN)
-    return fetch((logp, greedy))
+    acts = None if hooks is None else (context_acts, node_acts[0], [f[0] for f in fed])
+    return (*fetch((logp, greedy)), acts)
+
+
+def _path_acts(acts, b: int, context_len: int, path) -> dict:
+    """One request's captures: its context's positions, then its continuation's nodes but the
+    last (never fed), in order: {site: [.., T, D]} numpy arrays."""
+    context_acts, node_acts, fed = acts
+    rows = np.searchsorted(fed[b], np.asarray(path[:-1], np.int64))  # fed row of each node
+    head = hooks_lib.row_acts(context_acts, b, context_len)
+    tail = hooks_lib.row_acts(hooks_lib.gathered(node_acts, rows), b, len(rows))
+    return {site: np.asarray(x) for site, x in hooks_lib.joined([head, tail]).items()}
 
 
 def _fed(parents):

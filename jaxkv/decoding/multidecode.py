@@ -17,6 +17,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.core import checks
+from jaxkv.core import hooks as hooks_lib
 from jaxkv.core.cache import KVCache
 from jaxkv.core.decoder import extend, init_cache, logits, prefill
 from jaxkv.core.sharding import cache_shardings, fetch, place
@@ -90,11 +91,12 @@ class Prefix:
 
 
 def make_prefix(params, prompts, chunk_size: int | None = None, kv_dtype=None,
-                mesh=None) -> Prefix:
+                mesh=None, hooks=None) -> Prefix:
     """Prefill prompts (one token list, or a list of them) once; chunk_size splits the prefill
     into several calls, giving the same cache. kv_dtype: the cache's (init_cache's dtype); the
     caches of what hangs off the prefix (forests, branches, beams) take the same. mesh: the
-    prompts' rows split over its data axis (params already placed on it)."""
+    prompts' rows split over its data axis (params already placed on it). hooks (a
+    jaxkv.Hooks): edits applied; returns (prefix, acts), captures [.., P, T, D] by position."""
     _check_model(params)
     if isinstance(prompts, str) or len(prompts) == 0:
         raise ValueError(f"prefix must be token ids or a list of token-id lists, got "
@@ -113,13 +115,17 @@ def make_prefix(params, prompts, chunk_size: int | None = None, kv_dtype=None,
         cache = jax.tree.map(place, cache, cache_shardings(cache, mesh))
     chunk = checks.int_arg(chunk_size, "chunk_size", or_none=True) or T
     last = np.zeros((len(rows), params.config.vocab_size), np.float32)
+    acts = []
     for start in range(0, T, chunk):
         piece = np.clip(lengths - start, 1, chunk)  # rows already done write masked padding
-        step_logits, cache = prefill(params, cache, tokens[:, start:start + chunk], piece,
-                                     np.full(len(rows), start, np.int32))
+        step_logits, cache, *captured = prefill(params, cache, tokens[:, start:start + chunk],
+                                                piece, np.full(len(rows), start, np.int32),
+                                                hooks=hooks)
+        acts += captured
         ends_here = (lengths > start) & (lengths <= start + chunk)
         last[ends_here] = fetch(step_logits)[ends_here]
-    return Prefix(cache, jnp.asarray(lengths), jnp.asarray(last))
+    prefix = Prefix(cache, jnp.asarray(lengths), jnp.asarray(last))
+    return prefix if hooks is None else (prefix, hooks_lib.joined(acts))
 
 
 def _check_model(params):
@@ -137,21 +143,25 @@ def check_positions(params, prefix: Prefix, longest: int):
 # ---- one pass over forests ----------------------------------------------------------------
 
 @jax.jit
-def _forest_pass(params, prefix: Prefix, tokens_BN, depth_BN, mask_BNN):
-    """Logits [B, N, V] of every node, and the nodes' own cache (node i at slot i)."""
+def _forest_pass(params, prefix: Prefix, tokens_BN, depth_BN, mask_BNN, hooks=None):
+    """Logits [B, N, V] of every node, and the nodes' own cache (node i at slot i); with hooks,
+    their captures [.., B, N, D] by node."""
     count_trace("forest_pass")
     B, N = tokens_BN.shape
     pos_BN = prefix.length[:, None] + depth_BN
     slot_BN = jnp.broadcast_to(jnp.arange(N), (B, N))
+    tap = hooks_lib.tap_for(hooks, pos_BN, params.config.n_layers, n_keys=N)
     x_BND, cache = extend(params, init_cache(params, B, N, prefix.cache.dtype), tokens_BN, pos_BN,
-                          slot_BN, mask_BNN, prefix=prefix.shared)
-    return logits(params, x_BND), cache
+                          slot_BN, mask_BNN, prefix=prefix.shared, tap=tap)
+    logits_BNV = logits(params, x_BND, tap)
+    return (logits_BNV, cache) if tap is None else (logits_BNV, cache, tap.captured())
 
 
-def forest_pass(params, tokens, parents, prefix: Prefix):
+def forest_pass(params, tokens, parents, prefix: Prefix, hooks=None):
     """(logits [B, N, V], node cache, forests) for B forests, each hanging off its own prefix row
     (or all off one). tokens / parents: lists of 1-D arrays. Node counts are padded to a bucket
-    with lone roots that no real node reads."""
+    with lone roots that no real node reads. hooks (a jaxkv.Hooks): edits applied, and a
+    fourth result, the nodes' captures [.., B, N, D] (node n at index n)."""
     forests = [build_forest(p) for p in parents]
     tokens = [checks.token_ids(params.config, t, f"tokens[{b}]", 1) for b, t in enumerate(tokens)]
     for b, (t, f) in enumerate(zip(tokens, forests)):
@@ -170,9 +180,10 @@ def forest_pass(params, tokens, parents, prefix: Prefix):
     check_positions(params, prefix, int(depth_BN.max()) + 1)
     if prefix.length.shape[0] not in (1, B):
         raise ValueError(f"prefix has {prefix.length.shape[0]} rows; expected 1 or {B}")
-    logits_BNV, cache = _forest_pass(params, prefix, jnp.asarray(tokens_BN),
-                                     jnp.asarray(depth_BN), jnp.asarray(mask_BNN))
-    return logits_BNV, cache, forests
+    hooks_lib.tap_for(hooks, None, params.config.n_layers)  # (checks hooks)
+    logits_BNV, cache, *acts = _forest_pass(params, prefix, jnp.asarray(tokens_BN),
+                                            jnp.asarray(depth_BN), jnp.asarray(mask_BNN), hooks)
+    return (logits_BNV, cache, forests, *acts)
 
 
 def _empty_prefix(params, rows: int, kv_dtype=None) -> Prefix:

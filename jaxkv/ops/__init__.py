@@ -114,6 +114,16 @@ def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, *, bias_BNTS=None,
     return out_BTNH.astype(dtype or jnp.float32), lse_BTN, k_new, v_new
 
 
+def attention_weights(q_BTNH, k_BKSH, mask_BTS, scale: float, *, bias_BNTS=None, own=None,
+                      softcap=None):
+    """The softmax weights [B, N, T, S] (float32) that `attention` with these arguments gives
+    the cache's keys, and with own (k_BKUH, mask_BTU, bias_BNTU or None) the pair (cache's,
+    own's [B, N, T, U]). Always computed by the portable XLA form (a backend's kernel keeps no
+    weights): for reading them (hooks' attn_probs), not for attending.
+    """
+    return xla.attention_weights(q_BTNH, k_BKSH, mask_BTS, scale, bias_BNTS, own, softcap)
+
+
 def kv_layer(x_XH, dtype):
     """Keys or values [..., H] as a cache layer of dtype stores them: Int8KV for int8; for
     bfloat16 / float16, HalfKV (their bits) where the backend stores them so, else an array."""

@@ -6,7 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxkv.ops.arrays import Int8, Int8KV, dequantize_rows, quantize_kv
+from jaxkv.ops.arrays import Int8, Int8KV, PagedKV, dequantize_rows, logical, quantize_kv
 from jaxkv.ops.target import platform
 
 ACTIVATIONS = {
@@ -132,8 +132,10 @@ def softcapped(scores, softcap):
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
-def _attend_dense(q_BTNH, keys, scale, softcap=None):
-    """One softmax over the union of key sets [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS), ...]."""
+def _dense_scores(q_BTNH, keys, scale, softcap=None):
+    """Scores [B, K, G, T, S1 + S2 + ...] of every query against the union of key sets
+    [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS), ...], -inf where masked, and their max over the
+    keys [B, K, G, T, 1] (0 where a query sees none)."""
     B, T, N, H = q_BTNH.shape
     K = keys[0][0].shape[1]
     # Scores and weighted sums in float32 (XLA:CPU has no bfloat16 x bfloat16 -> float32 dot).
@@ -147,7 +149,34 @@ def _attend_dense(q_BTNH, keys, scale, softcap=None):
         scores.append(jnp.where(mask_BTS[:, None, None], scores_BKGTS, -jnp.inf))
     scores_BKGTS = jnp.concatenate(scores, -1)
     max_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)
-    max_BKGT1 = jnp.where(jnp.isfinite(max_BKGT1), max_BKGT1, 0.0)
+    return scores_BKGTS, jnp.where(jnp.isfinite(max_BKGT1), max_BKGT1, 0.0)
+
+
+def attention_weights(q_BTNH, k_BKSH, mask_BTS, scale: float, bias_BNTS=None, own=None,
+                      softcap=None):
+    """The softmax weights, float32, of `attention` with the same arguments: [B, N, T, S] over
+    the cache's keys and, with own (k_BKUH, mask_BTU, bias_BNTU), [B, N, T, U] over those
+    (read as attention reads them; 0 where a query sees no key)."""
+    k_BKSH = logical(k_BKSH) if isinstance(k_BKSH, PagedKV) else k_BKSH
+    keys = [(k_BKSH, None, mask_BTS, bias_BNTS)]
+    if own is not None:
+        k_BKUH = own[0]
+        if isinstance(k_BKSH, Int8KV) and not isinstance(k_BKUH, Int8KV):
+            k_BKUH = quantize_kv(k_BKUH)  # (as own_as_cache: read as the cache will hold it)
+        keys.append((k_BKUH, None, *own[1:]))
+    scores_BKGTS, max_BKGT1 = _dense_scores(q_BTNH, keys, scale, softcap)
+    weights_BKGTS = jnp.exp(scores_BKGTS - max_BKGT1)
+    total_BKGT1 = jnp.maximum(weights_BKGTS.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    B, K, G, T, _ = weights_BKGTS.shape
+    w_BNTX = (weights_BKGTS / total_BKGT1).reshape(B, K * G, T, -1)
+    S = mask_BTS.shape[2]
+    return w_BNTX if own is None else (w_BNTX[..., :S], w_BNTX[..., S:])
+
+
+def _attend_dense(q_BTNH, keys, scale, softcap=None):
+    """One softmax over the union of key sets [(k_BKSH, v_BKSH, mask_BTS, bias_BNTS), ...]."""
+    B, T, N, H = q_BTNH.shape
+    scores_BKGTS, max_BKGT1 = _dense_scores(q_BTNH, keys, scale, softcap)
     weights_BKGTS = jnp.exp(scores_BKGTS - max_BKGT1)
     total_BKGT = weights_BKGTS.sum(-1)
     out_BTKGH, start = 0.0, 0
