@@ -28,7 +28,8 @@ FILES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
 # Blocks that are a one-line signature, not an example.
 SIGNATURES = {"README.md: jaxkv"}
 # What a block's output must contain, where its example prints something checkable.
-PRINTS = {"docs/guide.md: Speech (Whisper)": "ask not what your country can do for you"}
+PRINTS = {"docs/guide.md: Speech (Whisper)": "ask not what your country can do for you",
+          "docs/guide.md: Reading and editing activations (hooks) (2)": "layer  0:  1.00 restored"}
 
 
 def python_blocks(markdown: str) -> dict[str, str]:
