@@ -17,12 +17,12 @@ def turns(config, pos_BT, local=False):
     local), made once for all the layers of a pass; None for other position kinds."""
     if config.position != "rope":
         return None
-    return rope_turns(pos_BT, rope_frequencies(config.head_dim, *config.rope(local)))
+    return rope_turns(pos_BT, rope_frequencies(config.rope_dim, *config.rope(local)))
 
 
 def project_qkv(config, b, x_BTD, turns_BT):
     """Queries [B, T, N, H], keys and values [B, T, K, H] from the fused wqkv of x normed by
-    attn_norm; then per-head norms of queries and keys (config.qk_norm) and RoPE (turns_BT,
+    attn_norm (if any); then norms of queries and keys (config.qk_norm) and RoPE (turns_BT,
     from `turns`; None: none)."""
     B, T, _ = x_BTD.shape
     K, G, H = config.n_kv_heads, config.group_size, config.head_dim
@@ -31,11 +31,19 @@ def project_qkv(config, b, x_BTD, turns_BT):
     q_BTNH = y_BTKJH[:, :, :, :G].reshape(B, T, K * G, H)
     k_BTKH, v_BTKH = y_BTKJH[:, :, :, G], y_BTKJH[:, :, :, G + 1]
     if config.qk_norm:
-        q_BTNH = norm(q_BTNH, b.q_norm, "rmsnorm", config.norm_eps)
-        k_BTKH = norm(k_BTKH, b.k_norm, "rmsnorm", config.norm_eps)
+        q_BTNH, k_BTKH = (head_norms(config, x, p) for x, p in ((q_BTNH, b.q_norm),
+                                                                 (k_BTKH, b.k_norm)))
     if turns_BT is not None:
         q_BTNH, k_BTKH = rope(q_BTNH, turns_BT), rope(k_BTKH, turns_BT)
     return q_BTNH, k_BTKH, v_BTKH
+
+
+def head_norms(config, x_BTXH, p):
+    """RMSNorm of each head's vector, or of all X heads' at once (config.qk_norm_all)."""
+    if not config.qk_norm_all:
+        return norm(x_BTXH, p, "rmsnorm", config.norm_eps)
+    B, T, X, H = x_BTXH.shape
+    return norm(x_BTXH.reshape(B, T, X * H), p, "rmsnorm", config.norm_eps).reshape(B, T, X, H)
 
 
 def project_out(b, o_BTNH, x_BTD=None):
@@ -122,11 +130,14 @@ def cross_kv(config, c, states_BMD):
     return jnp.swapaxes(y_BMK2H[:, :, :, 0], 1, 2), jnp.swapaxes(y_BMK2H[:, :, :, 1], 1, 2)
 
 
-def feed_forward(config, b, x_BTD, hook=None):
-    """MLP sublayer; hook (optional) maps its output before it joins the stream (see add_out)."""
+def feed_forward(config, b, x_BTD, hook=None, residual_BTD=None):
+    """MLP sublayer of x, added to residual_BTD (default x; the attention's output added to x
+    where config.parallel_residual); hook (optional) maps its output before it joins the
+    stream (see add_out)."""
+    residual_BTD = x_BTD if residual_BTD is None else residual_BTD
     if not config.post_norms and hook is None:
-        return mlp(x_BTD, b, config, b.mlp_norm, x_BTD)
+        return mlp(x_BTD, b, config, b.mlp_norm, residual_BTD)
     y_BTD = mlp(x_BTD, b, config, b.mlp_norm)
     if config.post_norms:
         y_BTD = norm(y_BTD, b.mlp_out_norm, config.norm, config.norm_eps)
-    return x_BTD + (y_BTD if hook is None else hook(y_BTD))
+    return residual_BTD + (y_BTD if hook is None else hook(y_BTD))

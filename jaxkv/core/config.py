@@ -117,6 +117,8 @@ class Config:
     attn_bias: bool = False  # q/k/v projection biases
     attn_out_bias: bool | None = None  # output projection bias; None: as attn_bias (Qwen2: off)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+    qk_norm_all: bool = False  # qk_norm over all heads' dims at once, [N * H] / [K * H] (OLMo 2)
+    pre_norms: bool = True  # each sublayer's input normed; False: outputs only (OLMo 2)
     # Sliding-window attention: in the layers listed in window_layers (all of them when
     # sliding_window is set and window_layers is empty), a query at position p reads only keys
     # at positions > p - sliding_window (Mistral; Qwen2 with use_sliding_window).
@@ -125,6 +127,9 @@ class Config:
     local_rope_theta: float | None = None  # RoPE base of the window layers, unscaled (Gemma 3);
     # None: rope_theta and rope_scaling as in every layer
     mlp_bias: bool = False
+    # GPT-NeoX (Pythia): attention and MLP read the same layer input, both added to it
+    parallel_residual: bool = False
+    rotary_dim: int | None = None  # RoPE on each head's first rotary_dim dims only; None: all
     tie_embeddings: bool = False
     rescale_logits: bool = False  # T5 (original): the head sees hidden * d_model**-0.5
     encoder: EncoderConfig | None = None
@@ -145,8 +150,12 @@ class Config:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"Config.n_heads ({self.n_heads}) must be a multiple of "
                              f"Config.n_kv_heads ({self.n_kv_heads})")
-        if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"Config.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.position == "rope" and self.rope_dim % 2:
+            which = "rotary_dim" if self.rotary_dim else "head_dim"
+            raise ValueError(f"Config.{which} must be even for RoPE, got {self.rope_dim}")
+        if self.rotary_dim is not None and not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"Config.rotary_dim must be in (0, head_dim={self.head_dim}], got "
+                             f"{self.rotary_dim}")
         if not self.norm_eps > 0 or not self.rope_theta > 0:
             raise ValueError("Config.norm_eps and Config.rope_theta must be > 0, got "
                              f"{self.norm_eps!r} and {self.rope_theta!r}")
@@ -169,6 +178,10 @@ class Config:
             object.__setattr__(self, "attn_out_bias", self.attn_bias)
         _check_rope_scaling(self.rope_scaling)
         object.__setattr__(self, "begin_suppress_ids", tuple(self.begin_suppress_ids))
+        if self.qk_norm_all and not self.qk_norm:
+            raise ValueError("Config.qk_norm_all needs Config.qk_norm")
+        if not (self.pre_norms or self.post_norms):
+            raise ValueError("Config: a model without pre_norms needs post_norms")
         self._check_window()
 
     def _check_window(self):
@@ -189,6 +202,11 @@ class Config:
     def group_size(self) -> int:
         """G: query heads per kv head."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head RoPE turns: the first rotary_dim, or all head_dim."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def attn_scale(self) -> float:

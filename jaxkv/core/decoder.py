@@ -128,6 +128,7 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
              for local in {layer in c.window_layers for layer in range(c.n_layers)}}
     for layer, b in enumerate(params.blocks):
         x_BTD = tap("resid_pre", layer, x_BTD) if tap else x_BTD
+        layer_in_BTD = x_BTD
         local = layer in c.window_layers
         kv = None if self_kv is None else (self_kv[0][layer], self_kv[1][layer],
                                            self_kv[3 if local else 2])
@@ -139,7 +140,8 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
         if cross is not None:
             x_BTD = blocks.cross_attention(c, params.cross[layer], x_BTD, cross[0][layer],
                                            cross[1][layer], cross[2])
-        x_BTD = blocks.feed_forward(c, b, x_BTD, tap and tap.at("mlp_out", layer))
+        mlp_in_BTD = layer_in_BTD if c.parallel_residual else x_BTD
+        x_BTD = blocks.feed_forward(c, b, mlp_in_BTD, tap and tap.at("mlp_out", layer), x_BTD)
         x_BTD = tap("resid_post", layer, x_BTD) if tap else x_BTD
         new_k.append(k_BKSH)
         new_v.append(v_BKSH)

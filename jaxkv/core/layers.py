@@ -15,9 +15,10 @@ def norm(x_BTD, p: Norm, kind: str, eps: float):
     return ops.norm(x_BTD, p.scale, p.bias, kind, eps)
 
 
-def normed(config: Config, p: Norm) -> tuple:
-    """What ops.matmul's `norm` takes of a norm's parameters p: x normed as `norm` would."""
-    return p.scale, p.bias, config.norm, config.norm_eps
+def normed(config: Config, p: Norm | None) -> tuple | None:
+    """What ops.matmul's `norm` takes of a norm's parameters p: x normed as `norm` would (None
+    for no norm)."""
+    return None if p is None else (p.scale, p.bias, config.norm, config.norm_eps)
 
 
 @functools.lru_cache(maxsize=64)
@@ -59,7 +60,11 @@ def rope(x_BTNH, turns):
     """Rotary embedding, rotate-half layout (Hugging Face Llama): pairs (i, i + H/2), pair i
     turned by pos * inv_freq_h[i] (turns = rope_turns(pos_BT, inv_freq_h)): x cos + x' sin,
     x' the halves of x swapped (a reversal, where a concatenation of two halves made XLA:CPU
-    choose between its operands at every element)."""
+    choose between its operands at every element). Turns narrower than H (GPT-NeoX's partial
+    rotary) turn the first dims and pass the rest."""
+    R = turns[0].shape[-1]
+    if R < x_BTNH.shape[-1]:
+        return jnp.concatenate([rope(x_BTNH[..., :R], turns), x_BTNH[..., R:]], -1)
     *lead, H = x_BTNH.shape
     x = x_BTNH.astype(jnp.float32)
     swapped = x.reshape(*lead, 2, H // 2)[..., ::-1, :].reshape(*lead, H)

@@ -29,17 +29,18 @@ class Norm:
 class Block:
     """One self-attention + MLP layer."""
 
-    attn_norm: Norm
+    attn_norm: Norm | None  # None without config.pre_norms
     wqkv: jax.Array  # [K * (G + 2) * H, D]: per kv head, G query heads, its key, its value
     wo: jax.Array  # [D, N * H]
-    mlp_norm: Norm
+    mlp_norm: Norm | None
     w_in: jax.Array  # [F, D], or [2 * F, D] gated: gate and up rows in blocks (gate_up_rows)
     w_out: jax.Array  # [D, F]
     bqkv: jax.Array | None = None  # [K * (G + 2) * H]
     bo: jax.Array | None = None  # [D]
     b_in: jax.Array | None = None  # [F] or [2 * F]
     b_out: jax.Array | None = None  # [D]
-    q_norm: Norm | None = None  # scale [H], shared by every query head; config.qk_norm only
+    q_norm: Norm | None = None  # scale [H], shared by every query head ([N * H] with
+    # config.qk_norm_all); config.qk_norm only
     k_norm: Norm | None = None  # scale [H], shared by every kv head
     attn_out_norm: Norm | None = None  # of the attention output; config.post_norms only
     mlp_out_norm: Norm | None = None  # of the MLP output
@@ -168,9 +169,12 @@ class _Init:
         D = self.c.d_model
         return Norm(jnp.ones((D,), self.dtype), self.zeros(D, when=self.c.norm == "layernorm"))
 
-    def head_norm(self):
-        """A per-head RMSNorm (scale [H]), or None without config.qk_norm."""
-        return Norm(jnp.ones((self.c.head_dim,), self.dtype)) if self.c.qk_norm else None
+    def head_norm(self, heads: int):
+        """The q or k RMSNorm of `heads` heads: scale [H] per head, [heads * H] with
+        config.qk_norm_all; None without config.qk_norm."""
+        c = self.c
+        width = c.head_dim * (heads if c.qk_norm_all else 1)
+        return Norm(jnp.ones((width,), self.dtype)) if c.qk_norm else None
 
     def block(self):
         c = self.c
@@ -179,11 +183,12 @@ class _Init:
         NH = c.n_heads * c.head_dim
         F_in = 2 * F if c.gated_mlp else F
         return Block(
-            attn_norm=self.norm(), wqkv=self.normal(qkv, D), wo=self.normal(D, NH),
-            mlp_norm=self.norm(), w_in=self.normal(F_in, D), w_out=self.normal(D, F),
+            attn_norm=self.norm() if c.pre_norms else None, wqkv=self.normal(qkv, D),
+            wo=self.normal(D, NH), mlp_norm=self.norm() if c.pre_norms else None,
+            w_in=self.normal(F_in, D), w_out=self.normal(D, F),
             bqkv=self.zeros(qkv, when=c.attn_bias), bo=self.zeros(D, when=c.attn_out_bias),
             b_in=self.zeros(F_in, when=c.mlp_bias), b_out=self.zeros(D, when=c.mlp_bias),
-            q_norm=self.head_norm(), k_norm=self.head_norm(),
+            q_norm=self.head_norm(c.n_heads), k_norm=self.head_norm(c.n_kv_heads),
             attn_out_norm=self.norm() if c.post_norms else None,
             mlp_out_norm=self.norm() if c.post_norms else None)
 

@@ -69,6 +69,17 @@ def resolve(path) -> str:
     return snapshot
 
 
+def revisions(name: str) -> list[str]:
+    """The revisions (branches and tags: Pythia's "step1000" ...) of a model the local Hugging
+    Face cache holds, each loadable as f"{name}@{revision}", sorted with numbers in order
+    (step2000 before step10000)."""
+    refs = os.path.join(hub_cache(), "models--" + name.replace("/", "--"), "refs")
+    found = [os.path.relpath(os.path.join(folder, f), refs)
+             for folder, _, files in os.walk(refs) for f in files]
+    return sorted(found, key=lambda r: [int(t) if t.isdigit() else t
+                                        for t in re.split(r"(\d+)", r)])
+
+
 def _snapshot(repo: str, revision: str) -> str | None:
     """repo/snapshots/<commit> for a ref (refs/<revision> holds the commit) or a commit."""
     ref = os.path.join(repo, "refs", revision)

@@ -3,7 +3,7 @@ GGUF metadata) and weight name maps; this registry says which reads what. Adding
 its file, a line here, and its tests; the format readers stay in checkpoint.py."""
 
 from jaxkv import submodules
-from jaxkv.models import gemma, gpt2, llama, mistral, qwen, t5, whisper
+from jaxkv.models import gemma, gpt2, gptneox, llama, mistral, olmo2, qwen, t5, whisper
 from jaxkv.models.common import Family
 
 __getattr__ = submodules(__name__)
@@ -11,10 +11,12 @@ __getattr__ = submodules(__name__)
 # Hugging Face config.json "architectures"[0] -> its reader
 HF_ARCHITECTURES = {
     "GPT2LMHeadModel": Family(gpt2.hf_config, gpt2.hf_map),
+    "GPTNeoXForCausalLM": Family(gptneox.hf_config, gptneox.hf_map),
     "LlamaForCausalLM": Family(llama.hf_config, llama.hf_map),
     "Qwen2ForCausalLM": Family(qwen.qwen2_config, llama.hf_map),
     "Qwen3ForCausalLM": Family(qwen.qwen3_config, llama.hf_map),
     "MistralForCausalLM": Family(mistral.hf_config, llama.hf_map),
+    "Olmo2ForCausalLM": Family(olmo2.hf_config, olmo2.hf_map),
     "Gemma2ForCausalLM": Family(gemma.gemma2_config, gemma.hf_map),
     "Gemma3ForCausalLM": Family(gemma.gemma3_config, gemma.hf_map),
     "T5ForConditionalGeneration": Family(t5.hf_config, t5.hf_map),
