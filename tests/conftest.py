@@ -314,3 +314,20 @@ def finish_gguf(writer, edit=None):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def assert_paths_agree(params, new_tokens=8):
+    """Greedy generate_many (paged cache, prefix cache) and speculative lookup answer as
+    generate does; loglikelihood_many (MultiDecode's trie) scores each answer as the forward
+    does and calls it greedy: a family runs on every path, not only generate."""
+    prompts = [random_tokens(30 + i, (n,)).tolist() for i, n in enumerate((6, 11))]
+    tokens, _ = jaxkv.generate(params, prompts, new_tokens)
+    want = np.asarray(tokens).tolist()
+    assert jaxkv.generate_many(params, prompts, new_tokens, batch_size=1) == want
+    assert np.asarray(jaxkv.speculative_generate(params, prompts, new_tokens)[0]).tolist() == want
+    scores = jaxkv.loglikelihood_many(params, list(zip(prompts, want)))
+    for prompt, answer, (logp, greedy) in zip(prompts, want, scores):
+        logits_TV = jaxkv.forward(params, np.array([prompt + answer[:-1]]))[0, len(prompt) - 1:]
+        logp_TV = jax.nn.log_softmax(logits_TV)
+        assert greedy and logp == pytest.approx(
+            float(sum(logp_TV[t, i] for t, i in enumerate(answer))), abs=1e-3)

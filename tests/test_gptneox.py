@@ -11,8 +11,9 @@ import pytest
 import jaxkv
 from jaxkv.models.maps import CheckpointError
 from tests.conftest import (HF_TINY, assert_decode_equals_forward, assert_logits_match_hf,
-                            assert_ragged_greedy_matches_hf, assert_save_load_round_trip,
-                            edited_copy, random_tokens, save_tiny_models)
+                            assert_paths_agree, assert_ragged_greedy_matches_hf,
+                            assert_save_load_round_trip, edited_copy, random_tokens,
+                            save_tiny_models)
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
              max_position_embeddings=128, **HF_TINY)
@@ -129,3 +130,7 @@ def test_a_checkpoint_sweep_compiles_each_program_once(tmp_path, monkeypatch):
     for program, traces in (("generate", 1), ("prefill", 2), ("forest_pass", 1)):
         assert TRACE_COUNTS[program] - before.get(program, 0) == traces, program
     assert scores[0] != scores[1] != scores[2]
+
+
+def test_every_path_runs_it(neox):
+    assert_paths_agree(jaxkv.load(neox["pythia_like"][1]))

@@ -7,8 +7,8 @@ import pytest
 
 import jaxkv
 from tests.conftest import (HF_TINY, assert_decode_equals_forward, assert_logits_match_hf,
-                            assert_ragged_greedy_matches_hf, assert_save_load_round_trip,
-                            random_tokens, save_tiny_models)
+                            assert_paths_agree, assert_ragged_greedy_matches_hf,
+                            assert_save_load_round_trip, random_tokens, save_tiny_models)
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
              max_position_embeddings=128, **HF_TINY)
@@ -64,3 +64,7 @@ def test_decode_equals_forward_hooks_and_round_trip(olmo2, tmp_path):
     np.testing.assert_allclose(acts["resid_post"],
                                acts["resid_pre"] + acts["attn_out"] + acts["mlp_out"], atol=1e-5)
     assert_save_load_round_trip(params, tmp_path)
+
+
+def test_every_path_runs_it(olmo2):
+    assert_paths_agree(jaxkv.load(olmo2["olmo2_gqa"][1]))

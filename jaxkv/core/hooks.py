@@ -23,8 +23,9 @@ the only layer for embed and final). fn(x, pos_BT) -> x is traced JAX: it may cl
 arrays (a steering vector), and a capture records x after the edit, as the rest of the model
 reads it. An edit that takes a third argument is also given the layer (an int; None at embed
 and final): one edit keyed (site, None) can then act at a layer chosen by an array, so a sweep
-over layers (activation patching) runs one compiled program. A closure is part of the program's structure, so a new one compiles again; wrap
-arrays as arguments with jax.tree_util.Partial(fn, array) to reuse the program for new values.
+over layers (activation patching) runs one compiled program. A closure is part of the
+program's structure, so a new one compiles again; wrap arrays as arguments with
+jax.tree_util.Partial(fn, array) to reuse the program for new values.
 The captures come back as acts: {site: [L', B, T, D]} for the per-layer sites (L' the captured
 layers in the model's order, each once; head_out [L', B, T, N, H], attn_probs [L', B, N, T,
 S]), {site: [B, T, D]} for embed and final.
