@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxkv import ops
 from jaxkv.core import cache as cache_lib
 from jaxkv.core.attention import attend, attend_shared
-from jaxkv.core.layers import mlp, norm, normed, rope, rope_frequencies, rope_turns
+from jaxkv.core.layers import mlp, moe, norm, normed, rope, rope_frequencies, rope_turns
 
 
 def turns(config, pos_BT, local=False):
@@ -131,13 +131,14 @@ def cross_kv(config, c, states_BMD):
 
 
 def feed_forward(config, b, x_BTD, hook=None, residual_BTD=None):
-    """MLP sublayer of x, added to residual_BTD (default x; the attention's output added to x
+    """MLP (or mixture of experts) sublayer of x, added to residual_BTD (default x; the attention's output added to x
     where config.parallel_residual); hook (optional) maps its output before it joins the
     stream (see add_out)."""
     residual_BTD = x_BTD if residual_BTD is None else residual_BTD
+    ffn = mlp if b.router is None else moe
     if not config.post_norms and hook is None:
-        return mlp(x_BTD, b, config, b.mlp_norm, residual_BTD)
-    y_BTD = mlp(x_BTD, b, config, b.mlp_norm)
+        return ffn(x_BTD, b, config, b.mlp_norm, residual_BTD)
+    y_BTD = ffn(x_BTD, b, config, b.mlp_norm)
     if config.post_norms:
         y_BTD = norm(y_BTD, b.mlp_out_norm, config.norm, config.norm_eps)
     return residual_BTD + (y_BTD if hook is None else hook(y_BTD))

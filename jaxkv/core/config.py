@@ -130,6 +130,15 @@ class Config:
     # GPT-NeoX (Pythia): attention and MLP read the same layer input, both added to it
     parallel_residual: bool = False
     rotary_dim: int | None = None  # RoPE on each head's first rotary_dim dims only; None: all
+    # Mixture of experts: each token's MLP is the weighted sum of experts_per_token of n_experts
+    # MLPs (width expert_d_ff; None: d_ff), chosen by a router: softmax over the experts, the
+    # top k, renormalized to sum 1 where norm_topk (Mixtral, Qwen3-MoE's norm_topk_prob);
+    # dense_layers keep a plain MLP of width d_ff (Qwen3-MoE's mlp_only_layers)
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_d_ff: int | None = None
+    norm_topk: bool = False
+    dense_layers: tuple = ()
     tie_embeddings: bool = False
     rescale_logits: bool = False  # T5 (original): the head sees hidden * d_model**-0.5
     encoder: EncoderConfig | None = None
@@ -178,6 +187,10 @@ class Config:
             object.__setattr__(self, "attn_out_bias", self.attn_bias)
         _check_rope_scaling(self.rope_scaling)
         object.__setattr__(self, "begin_suppress_ids", tuple(self.begin_suppress_ids))
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if self.n_experts and not 0 < self.experts_per_token <= self.n_experts:
+            raise ValueError(f"Config.experts_per_token must be in [1, n_experts="
+                             f"{self.n_experts}], got {self.experts_per_token}")
         if self.qk_norm_all and not self.qk_norm:
             raise ValueError("Config.qk_norm_all needs Config.qk_norm")
         if not (self.pre_norms or self.post_norms):
@@ -202,6 +215,10 @@ class Config:
     def group_size(self) -> int:
         """G: query heads per kv head."""
         return self.n_heads // self.n_kv_heads
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer's MLP is a mixture of experts."""
+        return self.n_experts > 0 and layer not in self.dense_layers
 
     @property
     def rope_dim(self) -> int:

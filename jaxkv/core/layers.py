@@ -2,6 +2,7 @@
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -83,3 +84,21 @@ def mlp(x_BTD, b, config: Config, norm_p: Norm | None = None, residual_BTD=None)
         h_BTF = ops.ACTIVATIONS[config.activation](ops.matmul(x_BTD, b.w_in, b.b_in, norm=norm_x))
     return ops.matmul(h_BTF, b.w_out, b.b_out, costly_x=config.gated_mlp,
                       residual=residual_BTD)
+
+
+def moe(x_BTD, b, config: Config, norm_p: Norm | None = None, residual_BTD=None):
+    """Mixture-of-experts feed-forward of one block b (config.is_moe): x normed by norm_p, the
+    router's softmax over the experts in float32, each token's top experts_per_token
+    (renormalized to sum 1 where config.norm_topk, then in x's dtype, as transformers rounds
+    them), their MLPs' weighted sum (ops.experts); residual_BTD added after, where given."""
+    B, T, D = x_BTD.shape
+    h_BTD = x_BTD if norm_p is None else ops.norm(x_BTD, *normed(config, norm_p))
+    logits_BTE = ops.matmul(h_BTD, b.router, dtype=jnp.float32)
+    top_BTK, expert_BTK = jax.lax.top_k(jax.nn.softmax(logits_BTE, -1), config.experts_per_token)
+    if config.norm_topk:
+        top_BTK = top_BTK / top_BTK.sum(-1, keepdims=True)
+    y_RD = ops.experts(h_BTD.reshape(B * T, D), b.experts_in, b.experts_out,
+                       expert_BTK.reshape(B * T, -1), top_BTK.astype(x_BTD.dtype).reshape(B * T, -1),
+                       activation=config.activation)
+    y_BTD = y_RD.reshape(B, T, D)
+    return y_BTD if residual_BTD is None else residual_BTD + y_BTD

@@ -33,8 +33,9 @@ class Block:
     wqkv: jax.Array  # [K * (G + 2) * H, D]: per kv head, G query heads, its key, its value
     wo: jax.Array  # [D, N * H]
     mlp_norm: Norm | None
-    w_in: jax.Array  # [F, D], or [2 * F, D] gated: gate and up rows in blocks (gate_up_rows)
-    w_out: jax.Array  # [D, F]
+    w_in: jax.Array | None  # [F, D], or [2 * F, D] gated: gate and up rows in blocks
+    # (gate_up_rows); None in a mixture-of-experts layer
+    w_out: jax.Array | None  # [D, F]
     bqkv: jax.Array | None = None  # [K * (G + 2) * H]
     bo: jax.Array | None = None  # [D]
     b_in: jax.Array | None = None  # [F] or [2 * F]
@@ -44,6 +45,9 @@ class Block:
     k_norm: Norm | None = None  # scale [H], shared by every kv head
     attn_out_norm: Norm | None = None  # of the attention output; config.post_norms only
     mlp_out_norm: Norm | None = None  # of the MLP output
+    router: jax.Array | None = None  # [E, D]: a mixture-of-experts layer's (config.is_moe)
+    experts_in: jax.Array | None = None  # [E, 2 * F', D]: each expert's gate rows, then up rows
+    experts_out: jax.Array | None = None  # [E, D, F']
 
 
 @struct.dataclass
@@ -176,12 +180,19 @@ class _Init:
         width = c.head_dim * (heads if c.qk_norm_all else 1)
         return Norm(jnp.ones((width,), self.dtype)) if c.qk_norm else None
 
-    def block(self):
+    def block(self, layer: int | None = None):
+        """Layer `layer`'s (None: an encoder layer)."""
         c = self.c
         D, F = c.d_model, c.d_ff
         qkv = c.n_kv_heads * (c.group_size + 2) * c.head_dim
         NH = c.n_heads * c.head_dim
         F_in = 2 * F if c.gated_mlp else F
+        if layer is not None and c.is_moe(layer):
+            E, FE = c.n_experts, c.expert_d_ff or F
+            return self.block().replace(
+                w_in=None, w_out=None, b_in=None, b_out=None,
+                router=self.normal(E, D), experts_in=self.normal(E, 2 * FE, D),
+                experts_out=self.normal(E, D, FE))
         return Block(
             attn_norm=self.norm() if c.pre_norms else None, wqkv=self.normal(qkv, D),
             wo=self.normal(D, NH), mlp_norm=self.norm() if c.pre_norms else None,
@@ -227,7 +238,7 @@ def init_params(config: Config, key: jax.Array, dtype=jnp.float32) -> Params:
     encdec = c.is_encoder_decoder
     return Params(
         config=c, embed=init.normal(c.vocab_size, c.d_model),
-        blocks=tuple(init.block() for _ in range(c.n_layers)), final_norm=init.norm(),
+        blocks=tuple(init.block(i) for i in range(c.n_layers)), final_norm=init.norm(),
         pos_embed=init.normal(c.max_seq_len, c.d_model) if c.position == "learned" else None,
         rel_bias=init.rel_bias(),
         lm_head=None if c.tie_embeddings else init.normal(c.vocab_size, c.d_model),

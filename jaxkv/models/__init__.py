@@ -3,7 +3,8 @@ GGUF metadata) and weight name maps; this registry says which reads what. Adding
 its file, a line here, and its tests; the format readers stay in checkpoint.py."""
 
 from jaxkv import submodules
-from jaxkv.models import gemma, gpt2, gptneox, llama, mistral, olmo2, phi3, qwen, t5, whisper
+from jaxkv.models import (gemma, gpt2, gptneox, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen,
+                          qwen3moe, t5, whisper)
 from jaxkv.models.common import Family
 
 __getattr__ = submodules(__name__)
@@ -16,6 +17,9 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": Family(qwen.qwen2_config, llama.hf_map),
     "Qwen3ForCausalLM": Family(qwen.qwen3_config, llama.hf_map),
     "MistralForCausalLM": Family(mistral.hf_config, llama.hf_map),
+    "MixtralForCausalLM": Family(mixtral.hf_config, mixtral.hf_map),
+    "Qwen3MoeForCausalLM": Family(qwen3moe.hf_config, qwen3moe.hf_map),
+    "OlmoeForCausalLM": Family(olmoe.hf_config, olmoe.hf_map),
     "Olmo2ForCausalLM": Family(olmo2.hf_config, olmo2.hf_map),
     "Phi3ForCausalLM": Family(phi3.hf_config, phi3.hf_map),
     "Gemma2ForCausalLM": Family(gemma.gemma2_config, gemma.hf_map),

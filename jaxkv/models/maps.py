@@ -103,6 +103,20 @@ def feed_forward(c: Config, ours: str, up, down, gate=None, to_ours=as_is) -> di
             f"{ours}.b_out": Src(bias_of(down), (D,))}
 
 
+def experts(c: Config, router: str, gate: str, up: str, down: str) -> dict:
+    """A mixture-of-experts layer's router [E, D] and experts ([E, 2F, D] gate rows then up
+    rows, [E, D, F]) from one [out, in] tensor per expert; gate / up / down name expert e's
+    with "{e}"."""
+    E, D, F = c.n_experts, c.d_model, c.expert_d_ff or c.d_ff
+    each = lambda name, shape: tuple(Src(name.replace("{e}", str(e)), shape)  # noqa: E731
+                                     for e in range(E))
+    gates, ups = each(gate, (F, D)), each(up, (F, D))
+    return {"blocks.router": Src(router, (E, D)),
+            "blocks.experts_in": Fused(gates + ups, lambda *w: np.stack(
+                [np.concatenate([g, u]) for g, u in zip(w[:E], w[E:])])),
+            "blocks.experts_out": Fused(each(down, (D, F)), lambda *w: np.stack(w))}
+
+
 def norm(c: Config, ours: str, scale: str, bias: str | None = None, width=None) -> dict:
     """ours.scale (+ bias) of width d_model, or `width` (per-head norms: head_dim)."""
     width = width or c.d_model

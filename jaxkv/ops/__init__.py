@@ -124,6 +124,15 @@ def attention_weights(q_BTNH, k_BKSH, mask_BTS, scale: float, *, bias_BNTS=None,
     return xla.attention_weights(q_BTNH, k_BKSH, mask_BTS, scale, bias_BNTS, own, softcap)
 
 
+def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, *, activation: str):
+    """A mixture of experts' MLP for rows x [R, D]: the sum over k of weight_RK[r, k] times
+    expert expert_RK[r, k]'s down(act(gate x) * up x), w_in_EOD [E, 2F, D] (gate rows, then up
+    rows), w_out_EDF [E, D, F]; in x's dtype. Only the chosen experts are computed (and, for a
+    decode step's few rows, only their weights read)."""
+    fn = getattr(backend(), "experts", None) or xla.experts
+    return fn(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation)
+
+
 def kv_layer(x_XH, dtype):
     """Keys or values [..., H] as a cache layer of dtype stores them: Int8KV for int8; for
     bfloat16 / float16, HalfKV (their bits) where the backend stores them so, else an array."""

@@ -93,6 +93,66 @@ def prefill_chunk(w_qkv, rows: int, tokens: int) -> int:
     return PREFILL_CHUNK
 
 
+# ---- mixture of experts ---------------------------------------------------------------------
+
+EXPERT_TILE = 16  # rows a tile of experts' products holds (each tile one expert's)
+
+
+def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation: str):
+    """Each row's sum over k of weight_RK[r, k] times expert expert_RK[r, k]'s gated MLP of it:
+    down(act(gate x) * up x), w_in_EOD [E, 2F, D] (gate rows, then up rows), w_out_EDF [E, D, F];
+    products accumulated in float32, the result in x's dtype. Only the experts rows chose are
+    computed: few rows (a decode step) slice out their experts' weights; many sort the rows by
+    expert into tiles of EXPERT_TILE rows, each one expert's (grouped products; XLA:CPU's
+    ragged_dot computes every expert for every row)."""
+    R, K = expert_RK.shape
+    E, D = w_in_EOD.shape[0], x_RD.shape[1]
+    e_X = expert_RK.reshape(R * K)
+    x_XD = jnp.repeat(x_RD, K, axis=0)  # row r once for each of its experts
+    if R * K <= EXPERT_TILE:  # each row's expert sliced out: only those weights are read
+        take = lambda w, j: jax.lax.dynamic_index_in_dim(w, e_X[j], keepdims=False)  # noqa
+        y_XD = jnp.concatenate([_expert_mlp(x_XD[j:j + 1], take(w_in_EOD, j),
+                                            take(w_out_EDF, j), activation)
+                                for j in range(R * K)])
+    else:
+        y_XD = _expert_tiles(x_XD, e_X, w_in_EOD, w_out_EDF, activation)
+    y_RKD = y_XD.reshape(R, K, D) * weight_RK[..., None].astype(y_XD.dtype)
+    return y_RKD.sum(1)
+
+
+def _expert_mlp(x_XD, w_in_XOD, w_out_XDF, activation):
+    """Row x's expert MLP, its weights given per row ([X, ...]) or shared (one expert's)."""
+    spec = "XOD" if w_in_XOD.ndim == 3 else "OD"
+    h_XO = jnp.einsum(f"XD,{spec}->XO", x_XD, w_in_XOD, preferred_element_type=jnp.float32)
+    F = h_XO.shape[1] // 2
+    a_XF = (ACTIVATIONS[activation](h_XO[:, :F]) * h_XO[:, F:]).astype(x_XD.dtype)
+    spec = "XDF" if w_out_XDF.ndim == 3 else "DF"
+    return jnp.einsum(f"XF,{spec}->XD", a_XF, w_out_XDF,
+                      preferred_element_type=jnp.float32).astype(x_XD.dtype)
+
+
+def _expert_tiles(x_XD, e_X, w_in_EOD, w_out_EDF, activation):
+    """_expert_mlp of rows sorted by expert, each expert's rows padded to whole tiles, the tiles
+    run one after another against their one expert's weights (static shapes: at most X / tile
+    + E tiles, those past the last row empty)."""
+    X, D = x_XD.shape
+    E, t = w_in_EOD.shape[0], EXPERT_TILE
+    order_X = jnp.argsort(e_X, stable=True)
+    e_sorted_X = e_X[order_X]
+    count_E = jnp.bincount(e_X, length=E)
+    padded_E = -(-count_E // t) * t
+    first_E = jnp.cumsum(count_E) - count_E  # an expert's first row, sorted
+    start_E = jnp.cumsum(padded_E) - padded_E  # and where its tiles begin
+    at_X = start_E[e_sorted_X] + jnp.arange(X) - first_E[e_sorted_X]
+    n = -(-X // t) + E
+    tiles_NtD = jnp.zeros((n * t, D), x_XD.dtype).at[at_X].set(x_XD[order_X]).reshape(n, t, D)
+    expert_N = jnp.clip(jnp.searchsorted(start_E + padded_E, jnp.arange(n) * t, side="right"),
+                        0, E - 1)
+    y_NtD = jax.lax.map(lambda a: _expert_mlp(a[0], w_in_EOD[a[1]], w_out_EDF[a[1]],
+                                              activation), (tiles_NtD, expert_N))
+    return jnp.zeros_like(x_XD).at[order_X].set(y_NtD.reshape(n * t, D)[at_X])
+
+
 # ---- attention ------------------------------------------------------------------------------
 
 def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None,

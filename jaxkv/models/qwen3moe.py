@@ -1,0 +1,35 @@
+"""Qwen3-MoE: Qwen3 whose MLPs are mixtures of experts (moe_intermediate_size wide; the router
+weights renormalized where norm_topk_prob), but in mlp_only_layers and the layers
+decoder_sparse_step skips, which keep a dense MLP: config.json keys and the name map of
+Qwen3MoeForCausalLM."""
+
+import dataclasses
+
+from jaxkv.core.config import Config
+from jaxkv.models import llama, qwen
+from jaxkv.models.common import with_defaults
+from jaxkv.models.maps import experts
+
+# transformers' Qwen3MoeConfig defaults where they differ from Qwen3Config's
+# (the expert count: num_experts in older files, num_local_experts in transformers 5's)
+HF_DEFAULTS = {**qwen.QWEN3_DEFAULTS, "intermediate_size": 6144, "num_experts_per_tok": 8,
+               "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
+               "mlp_only_layers": []}
+
+
+def hf_config(hf: dict, source: str, tensor_names=()) -> Config:
+    hf = with_defaults(hf, HF_DEFAULTS, ("vocab_size", "hidden_size"), source)
+    step, dense = hf["decoder_sparse_step"], set(hf["mlp_only_layers"])
+    return dataclasses.replace(
+        qwen.qwen3_config(hf, source),
+        n_experts=hf.get("num_local_experts") or hf.get("num_experts") or 128,
+        experts_per_token=hf["num_experts_per_tok"], expert_d_ff=hf["moe_intermediate_size"], norm_topk=hf["norm_topk_prob"],
+        dense_layers=tuple(i for i in range(hf["num_hidden_layers"])
+                           if i in dense or (i + 1) % step))
+
+
+def hf_map(c: Config, tensor_names=()) -> dict:
+    mlp = "model.layers.{i}.mlp."
+    return {**llama.name_map(c, llama.HF_NAMES),
+            **experts(c, mlp + "gate.weight", mlp + "experts.{e}.gate_proj.weight",
+                      mlp + "experts.{e}.up_proj.weight", mlp + "experts.{e}.down_proj.weight")}
