@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
 from jaxkv import ops  # noqa: E402
-from jaxkv.decoding import batching, blocks, drafts, generate, prompts, stops  # noqa: E402
+from jaxkv.decoding import blocks, drafts, generate, prompts, serving, stops  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = dict(vocab_size=128256, n_heads=32, n_kv_heads=8, max_seq_len=131072, rope_theta=5e5,
@@ -104,10 +104,10 @@ def programs(case: Case, params, names=PROGRAMS) -> dict:
                             jax.eval_shape(lambda: args), ())
     if "paged_step" in names:
         paging = blocks.Paging(B, S, BLOCK_SIZE, B * S // BLOCK_SIZE, False, False)
-        rows = jax.eval_shape(lambda p: batching.empty_rows(p, B, S, 256, paging=paging),
+        rows = jax.eval_shape(lambda p: serving.empty_rows(p, B, S, 256, paging=paging),
                               params)
         eos_stop = jax.eval_shape(lambda: (prompts.eos_ids(c, None), stops.tables(c, None)))
-        made["paged_step"] = (batching.decode, (params, rows, *eos_stop,
+        made["paged_step"] = (serving.decode, (params, rows, *eos_stop,
                                                 jax.ShapeDtypeStruct((), jnp.int32)), ("rows",))
     if "tree_pass" in names:
         M, D = TREE

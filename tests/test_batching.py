@@ -7,7 +7,7 @@ import pytest
 
 import jaxkv
 from jaxkv.core.tracecount import TRACE_COUNTS
-from jaxkv.decoding import batching
+from jaxkv.decoding import batching, serving
 from tests.conftest import ENCDEC_CONFIGS, TINY, char_tokenizer, random_tokens
 
 EOS = 5
@@ -122,8 +122,8 @@ def test_iter_tokens_streams_generate_answer_without_callbacks(llama, window):
     assert [len(p) for p in pieces] == [3, 3, 3, 1]
     assert sum(pieces, []) == tokens[0].tolist()
     s = batching.Schedule(window, [prompts()[4]], 10, 1)
-    programs = [batching.decode.lower(window, s.rows, s.eos_E, s.stop, 3),
-                batching.admit.lower(window, s.rows, 0, np.zeros(batching.PIECE, np.int32), 5,
+    programs = [serving.decode.lower(window, s.rows, s.eos_E, s.stop, 3),
+                serving.admit.lower(window, s.rows, 0, np.zeros(batching.PIECE, np.int32), 5,
                                      0, s.prompt_key(0), 10, s.sampling(0), True,
                                      s.paging.table(0), s.seen_before([1], 0))]
     assert not any("callback" in p.as_text() for p in programs)
