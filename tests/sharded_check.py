@@ -1,6 +1,7 @@
 """Run by tests/test_sharding.py in a fresh process with 8 host devices: sharded generate and
 decode_step against unsharded, on (data x model) meshes. Prints one JSON line of results."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,8 +26,13 @@ PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2], [11], [3, 3, 60, 12, 40], [1, 2], [
            [17], [4, 4, 4, 4, 4, 4]]
 
 
+# a mixture of experts (4 experts, layer 1 dense): its experts split over the model axis
+MOE = dataclasses.replace(CONFIGS["llama_gqa"], n_experts=4, experts_per_token=2,
+                          dense_layers=(1,))
+
+
 def check(name, shape):
-    params = jaxkv.init_params(CONFIGS[name], jax.random.key(0))
+    params = jaxkv.init_params(MOE if name == "moe" else CONFIGS[name], jax.random.key(0))
     mesh = make_mesh(*shape)
     out = {}
     for label, options in (("greedy", {}), ("sampled", dict(temperature=0.8, top_k=40,
@@ -46,15 +52,19 @@ def check(name, shape):
     sharded_cache = jax.device_put(cache, cache_shardings(cache, mesh))
     got, new_cache = step(sharded_params, sharded_cache, jnp.arange(8), jnp.asarray(lengths))
     out["logit_error"] = float(np.abs(np.asarray(got) - np.asarray(want)).max())
-    out["w_in_spec"] = str(sharded_params.blocks[0].w_in.sharding.spec)
+    dense = next(b for b in sharded_params.blocks if b.w_in is not None)
+    out["w_in_spec"] = str(dense.w_in.sharding.spec)
+    moe = sharded_params.blocks[0].experts_in
+    out["experts_spec"] = None if moe is None else str(moe.sharding.spec)
     out["wo_spec"] = str(sharded_params.blocks[0].wo.sharding.spec)
     out["cache_spec"] = str(sharded_cache.k[0].sharding.spec)
-    out["devices"] = len(sharded_params.blocks[0].w_in.sharding.device_set)
+    out["devices"] = len(dense.w_in.sharding.device_set)
     return out
 
 
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     results = {f"{name} {d}x{m}": check(name, (d, m))  # rows alone over 8: one family's
-               for name, d, m in (("llama_gqa", 2, 4), ("llama_gqa", 8, 1), ("gpt2", 2, 4))}
+               for name, d, m in (("llama_gqa", 2, 4), ("llama_gqa", 8, 1), ("gpt2", 2, 4),
+                                  ("moe", 2, 4))}
     print(json.dumps(results))

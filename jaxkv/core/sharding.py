@@ -29,12 +29,14 @@ def _mlp_blocks(c) -> int:
 
 # Which axis of each parameter (by leaf name) is split over the model axis, and which size
 # must divide the model axis for the split to keep heads / units whole: fused Q/K/V rows are
-# grouped by kv head, gated gate/up rows by blocks of MLP units (see params.py).
+# grouped by kv head, gated gate/up rows by blocks of MLP units (see params.py); a mixture's
+# experts are split whole, each device holding n_experts / model of them.
 _MODEL_AXIS = {
     "wqkv": (0, "n_kv_heads"), "bqkv": (0, "n_kv_heads"), "wkv": (0, "n_kv_heads"),
     "bkv": (0, "n_kv_heads"), "wq": (0, "n_heads"), "bq": (0, "n_heads"),
     "wo": (1, "n_heads"), "w_in": (0, _mlp_blocks), "b_in": (0, _mlp_blocks),
     "w_out": (1, "d_ff"), "embed": (0, "vocab_size"), "lm_head": (0, "vocab_size"),
+    "experts_in": (0, "n_experts"), "experts_out": (0, "n_experts"),  # experts over devices
 }
 
 
