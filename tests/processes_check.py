@@ -125,8 +125,10 @@ def load(out: str, *checkpoints: str, mesh=None):
 
 if __name__ == "__main__":
     mode, coordinator, count, process_id, out, *rest = sys.argv[1:]
-    # The others wait at the end while process 0 runs alone: a shutdown timeout long enough.
-    start_processes(coordinator, int(count), int(process_id), timeout_s=120)
+    # The others wait at the end while process 0 runs alone: a shutdown timeout long enough,
+    # also when the suite's other worker loads both cores (120 s was exceeded so once, on a
+    # 2-core Zen 5, with the suite's other file running beside it).
+    start_processes(coordinator, int(count), int(process_id), timeout_s=300)
     results = {"jobs": jobs, "load": load}[mode](out, *rest)
     with open(os.path.join(out, f"process-{process_id}.json"), "w") as f:
         json.dump(results, f)
