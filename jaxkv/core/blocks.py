@@ -131,9 +131,9 @@ def cross_kv(config, c, states_BMD):
 
 
 def feed_forward(config, b, x_BTD, hook=None, residual_BTD=None):
-    """MLP (or mixture of experts) sublayer of x, added to residual_BTD (default x; the attention's output added to x
-    where config.parallel_residual); hook (optional) maps its output before it joins the
-    stream (see add_out)."""
+    """MLP (or mixture of experts) sublayer of x, added to residual_BTD (default x; the
+    attention's output added to x where config.parallel_residual); hook (optional) maps its
+    output before it joins the stream (see add_out)."""
     residual_BTD = x_BTD if residual_BTD is None else residual_BTD
     ffn = mlp if b.router is None else moe
     if not config.post_norms and hook is None:

@@ -97,8 +97,8 @@ def moe(x_BTD, b, config: Config, norm_p: Norm | None = None, residual_BTD=None)
     top_BTK, expert_BTK = jax.lax.top_k(jax.nn.softmax(logits_BTE, -1), config.experts_per_token)
     if config.norm_topk:
         top_BTK = top_BTK / top_BTK.sum(-1, keepdims=True)
+    weight_RK = top_BTK.astype(x_BTD.dtype).reshape(B * T, -1)
     y_RD = ops.experts(h_BTD.reshape(B * T, D), b.experts_in, b.experts_out,
-                       expert_BTK.reshape(B * T, -1), top_BTK.astype(x_BTD.dtype).reshape(B * T, -1),
-                       activation=config.activation)
+                       expert_BTK.reshape(B * T, -1), weight_RK, activation=config.activation)
     y_BTD = y_RD.reshape(B, T, D)
     return y_BTD if residual_BTD is None else residual_BTD + y_BTD

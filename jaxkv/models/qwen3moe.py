@@ -23,7 +23,8 @@ def hf_config(hf: dict, source: str, tensor_names=()) -> Config:
     return dataclasses.replace(
         qwen.qwen3_config(hf, source),
         n_experts=hf.get("num_local_experts") or hf.get("num_experts") or 128,
-        experts_per_token=hf["num_experts_per_tok"], expert_d_ff=hf["moe_intermediate_size"], norm_topk=hf["norm_topk_prob"],
+        experts_per_token=hf["num_experts_per_tok"], expert_d_ff=hf["moe_intermediate_size"],
+        norm_topk=hf["norm_topk_prob"],
         dense_layers=tuple(i for i in range(hf["num_hidden_layers"])
                            if i in dense or (i + 1) % step))
 

@@ -106,7 +106,7 @@ def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation: str):
     expert into tiles of EXPERT_TILE rows, each one expert's (grouped products; XLA:CPU's
     ragged_dot computes every expert for every row)."""
     R, K = expert_RK.shape
-    E, D = w_in_EOD.shape[0], x_RD.shape[1]
+    D = x_RD.shape[1]
     e_X = expert_RK.reshape(R * K)
     x_XD = jnp.repeat(x_RD, K, axis=0)  # row r once for each of its experts
     if R * K <= EXPERT_TILE:  # each row's expert sliced out: only those weights are read
