@@ -32,7 +32,10 @@ MOE = dataclasses.replace(CONFIGS["llama_gqa"], n_experts=4, experts_per_token=2
 
 
 def check(name, shape):
-    params = jaxkv.init_params(MOE if name == "moe" else CONFIGS[name], jax.random.key(0))
+    params = jaxkv.init_params(MOE if name.startswith("moe") else CONFIGS[name],
+                               jax.random.key(0))
+    if name.endswith("int8"):
+        params = jaxkv.quantize(params)
     mesh = make_mesh(*shape)
     out = {}
     for label, options in (("greedy", {}), ("sampled", dict(temperature=0.8, top_k=40,
@@ -53,12 +56,13 @@ def check(name, shape):
     got, new_cache = step(sharded_params, sharded_cache, jnp.arange(8), jnp.asarray(lengths))
     out["logit_error"] = float(np.abs(np.asarray(got) - np.asarray(want)).max())
     dense = next(b for b in sharded_params.blocks if b.w_in is not None)
-    out["w_in_spec"] = str(dense.w_in.sharding.spec)
+    spec = lambda w: str(getattr(w, "q", w).sharding.spec)  # noqa: E731 - an Int8's numbers'
+    out["w_in_spec"] = spec(dense.w_in)
     moe = sharded_params.blocks[0].experts_in
-    out["experts_spec"] = None if moe is None else str(moe.sharding.spec)
-    out["wo_spec"] = str(sharded_params.blocks[0].wo.sharding.spec)
+    out["experts_spec"] = None if moe is None else spec(moe)
+    out["wo_spec"] = spec(sharded_params.blocks[0].wo)
     out["cache_spec"] = str(sharded_cache.k[0].sharding.spec)
-    out["devices"] = len(dense.w_in.sharding.device_set)
+    out["devices"] = len(getattr(dense.w_in, "q", dense.w_in).sharding.device_set)
     return out
 
 
@@ -66,5 +70,5 @@ if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     results = {f"{name} {d}x{m}": check(name, (d, m))  # rows alone over 8: one family's
                for name, d, m in (("llama_gqa", 2, 4), ("llama_gqa", 8, 1), ("gpt2", 2, 4),
-                                  ("moe", 2, 4))}
+                                  ("moe", 2, 4), ("moe_int8", 2, 4))}
     print(json.dumps(results))

@@ -243,9 +243,11 @@ def test_q8_0_loads_as_int8_blocks_equal_to_gguf_dequantize(q8_0_gguf):
 
 
 def leaves_named(params, ours: str) -> list:
-    """The leaves of params at quant.MATRICES name ours ('blocks.wo': one per layer)."""
+    """The leaves of params at quant.MATRICES name ours ('blocks.wo': one per layer; none for
+    experts in a dense model)."""
     if ours.startswith("blocks."):
-        return [getattr(b, ours.removeprefix("blocks.")) for b in params.blocks]
+        leaves = (getattr(b, ours.removeprefix("blocks.")) for b in params.blocks)
+        return [w for w in leaves if w is not None]
     return [getattr(params, ours)]
 
 

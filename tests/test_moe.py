@@ -5,10 +5,12 @@ OLMoE (olmoe.py: router weights as they come or renormalized, q/k norms over all
 Loaded from save_pretrained's files, each must match transformers' logits and greedy tokens,
 and run every decoding path. (The experts' products themselves: tests/test_ops.py.)"""
 
+import jax
 import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv.ops.arrays import Int8
 from tests.conftest import (HF_TINY, assert_decode_equals_forward, assert_logits_match_hf,
                             assert_paths_agree, assert_ragged_greedy_matches_hf,
                             random_tokens, save_tiny_models)
@@ -80,3 +82,21 @@ def test_decode_equals_forward_and_every_path_runs_it(moes, name):
     params = jaxkv.load(moes[name][1])
     assert_decode_equals_forward(params, np.asarray(random_tokens(5, (2, 20))), 5, 32)
     assert_paths_agree(params)
+
+
+def test_int8_experts_on_load_and_from_quantize(moes):
+    """load(int8=True) makes every expert int8 (scales per expert and row, as jaxkv.quantize),
+    routers float; its logits stay near the float model's and its decode steps equal its own
+    forward."""
+    path = moes["qwen3moe_dense_layer"][1]
+    floats, ints = jaxkv.load(path), jaxkv.load(path, int8=True)
+    moe = ints.blocks[0]
+    assert isinstance(moe.experts_in, Int8) and isinstance(moe.experts_out, Int8)
+    assert moe.experts_in.scale.shape == (4, 64, 1) and moe.router.dtype == np.float32
+    assert ints.blocks[1].experts_in is None  # the dense layer
+    for a, b in zip(jax.tree.leaves(ints), jax.tree.leaves(jaxkv.quantize(floats))):
+        np.testing.assert_array_equal(a, b)
+    tokens_BT = random_tokens(6, (2, 20))
+    np.testing.assert_allclose(jaxkv.forward(ints, tokens_BT), jaxkv.forward(floats, tokens_BT),
+                               atol=0.05)
+    assert_decode_equals_forward(ints, np.asarray(tokens_BT), 5, 32)

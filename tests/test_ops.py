@@ -13,7 +13,7 @@ from jaxkv import ops
 from jaxkv.core.quant import quantize_matrix
 from jaxkv.ops import cpu as cpu_ops
 from jaxkv.ops import xla
-from jaxkv.ops.arrays import HalfKV, Int8KV
+from jaxkv.ops.arrays import HalfKV, Int8KV, dequantize_rows
 from tests.conftest import CONFIGS, random_tokens
 
 on_the_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CI runs on the CPU")
@@ -213,6 +213,24 @@ def test_experts_equal_each_row_through_its_experts(rows):
         jnp.asarray(weight_RK, jnp.float32))
     np.testing.assert_allclose(got, expert_reference(x, w_in, w_out, expert_RK, weight_RK),
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_int8_experts_equal_their_dequantized_weights(rows):
+    """Experts quantized per expert and row (jaxkv.quantize's form) are read as int8 in both of
+    ops.experts' forms and give what their dequantized float weights give."""
+    rng = np.random.default_rng(rows)
+    E, D, F, K = 5, 16, 8, 2
+    w_in, w_out = (quantize_matrix(rng.normal(size=s).astype(np.float32))
+                   for s in ((E, 2 * F, D), (E, D, F)))
+    assert w_in.q.shape == (E, 2 * F, D) and w_in.scale.shape == (E, 2 * F, 1)
+    x = jnp.asarray(rng.normal(size=(rows, D)), jnp.float32)
+    expert_RK = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(rows)]))
+    weight_RK = jnp.asarray(rng.random(size=(rows, K)), jnp.float32)
+    fn = jax.jit(functools.partial(jaxkv.ops.experts, activation="silu"))
+    got = fn(x, w_in, w_out, expert_RK, weight_RK)
+    floats = [dequantize_rows(w.q, w.scale) for w in (w_in, w_out)]
+    np.testing.assert_allclose(got, fn(x, *floats, expert_RK, weight_RK), rtol=1e-5, atol=1e-4)
 
 
 def test_experts_compute_and_read_only_the_chosen():

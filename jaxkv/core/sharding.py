@@ -246,11 +246,18 @@ def _spec(ndim: int, axis, name: str | None):
 
 
 def param_shardings(params, mesh: Mesh):
-    """NamedSharding for every parameter leaf (same pytree structure as params)."""
+    """NamedSharding for every parameter leaf (same pytree structure as params); an Int8
+    matrix's numbers split as its float form would be, its scales along with their rows."""
     c = params.config
 
     def one(path, leaf):
-        axis, unit = _MODEL_AXIS.get(path_name(path).split(".")[-1], (None, None))
+        *_, owner, name = ("", *path_name(path).split("."))
+        if name in ("q", "scale"):  # an Int8's numbers and scales, split as its matrix
+            axis, unit = _MODEL_AXIS.get(owner, (None, None))
+            if name == "scale" and axis is not None and axis == leaf.ndim - 1:
+                axis = None  # scales per row (or block of inputs) of an input-split matrix
+        else:
+            axis, unit = _MODEL_AXIS.get(name, (None, None))
         size = None if unit is None else unit(c) if callable(unit) else getattr(c, unit)
         whole = size is not None and size % mesh.shape[MODEL] == 0
         return NamedSharding(mesh, _spec(leaf.ndim, axis if whole else None, MODEL))

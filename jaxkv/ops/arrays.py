@@ -14,7 +14,8 @@ HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # the dtypes Ha
 @struct.dataclass
 class Int8:
     """A weight matrix w ~= q * scale, row by row: q [O, I] int8, scale [O, NB] (NB blocks of
-    I / NB inputs each: one per row from jaxkv.quantize, 32-input blocks from GGUF's Q8_0)."""
+    I / NB inputs each: one per row from jaxkv.quantize, 32-input blocks from GGUF's Q8_0). A
+    mixture of experts' stacked matrices lead with the expert: q [E, O, I], scale [E, O, NB]."""
 
     q: jax.Array  # [O, I] int8
     scale: jax.Array  # [O, NB], float32 (or the dtype the model computes in)

@@ -100,8 +100,8 @@ EXPERT_TILE = 16  # rows a tile of experts' products holds (each tile one expert
 
 def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation: str):
     """Each row's sum over k of weight_RK[r, k] times expert expert_RK[r, k]'s gated MLP of it:
-    down(act(gate x) * up x), w_in_EOD [E, 2F, D] (gate rows, then up rows), w_out_EDF [E, D, F];
-    products accumulated in float32, the result in x's dtype. Only the experts rows chose are
+    down(act(gate x) * up x), w_in_EOD [E, 2F, D] (gate rows, then up rows), w_out_EDF [E, D, F],
+    float or Int8 (jaxkv.quantize: scales per expert and row, read as int8); products accumulated in float32, the result in x's dtype. Only the experts rows chose are
     computed: few rows (a decode step) slice out their experts' weights; many sort the rows by
     expert into tiles of EXPERT_TILE rows, each one expert's (grouped products; XLA:CPU's
     ragged_dot computes every expert for every row)."""
@@ -110,7 +110,7 @@ def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation: str):
     e_X = expert_RK.reshape(R * K)
     x_XD = jnp.repeat(x_RD, K, axis=0)  # row r once for each of its experts
     if R * K <= EXPERT_TILE:  # each row's expert sliced out: only those weights are read
-        take = lambda w, j: jax.lax.dynamic_index_in_dim(w, e_X[j], keepdims=False)  # noqa
+        take = lambda w, j: _expert(w, e_X[j])  # noqa: E731
         y_XD = jnp.concatenate([_expert_mlp(x_XD[j:j + 1], take(w_in_EOD, j),
                                             take(w_out_EDF, j), activation)
                                 for j in range(R * K)])
@@ -120,15 +120,25 @@ def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation: str):
     return y_RKD.sum(1)
 
 
-def _expert_mlp(x_XD, w_in_XOD, w_out_XDF, activation):
-    """Row x's expert MLP, its weights given per row ([X, ...]) or shared (one expert's)."""
-    spec = "XOD" if w_in_XOD.ndim == 3 else "OD"
-    h_XO = jnp.einsum(f"XD,{spec}->XO", x_XD, w_in_XOD, preferred_element_type=jnp.float32)
+def _expert(w_EOI, e):
+    """Expert e's matrix [O, I] of the stacked [E, O, I] (an Int8's numbers and scales alike:
+    it stays int8)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=False), w_EOI)
+
+
+def _product(x_XI, w_OI):
+    """x @ w.T accumulated in float32, w float or Int8."""
+    if isinstance(w_OI, Int8):
+        return int8_product(x_XI.astype(w_OI.dtype), w_OI)
+    return jnp.einsum("XI,OI->XO", x_XI, w_OI, preferred_element_type=jnp.float32)
+
+
+def _expert_mlp(x_XD, w_in_OD, w_out_DF, activation):
+    """Rows x through one expert's gated MLP (its weights float or Int8)."""
+    h_XO = _product(x_XD, w_in_OD)
     F = h_XO.shape[1] // 2
     a_XF = (ACTIVATIONS[activation](h_XO[:, :F]) * h_XO[:, F:]).astype(x_XD.dtype)
-    spec = "XDF" if w_out_XDF.ndim == 3 else "DF"
-    return jnp.einsum(f"XF,{spec}->XD", a_XF, w_out_XDF,
-                      preferred_element_type=jnp.float32).astype(x_XD.dtype)
+    return _product(a_XF, w_out_DF).astype(x_XD.dtype)
 
 
 def _expert_tiles(x_XD, e_X, w_in_EOD, w_out_EDF, activation):
@@ -148,8 +158,9 @@ def _expert_tiles(x_XD, e_X, w_in_EOD, w_out_EDF, activation):
     tiles_NtD = jnp.zeros((n * t, D), x_XD.dtype).at[at_X].set(x_XD[order_X]).reshape(n, t, D)
     expert_N = jnp.clip(jnp.searchsorted(start_E + padded_E, jnp.arange(n) * t, side="right"),
                         0, E - 1)
-    y_NtD = jax.lax.map(lambda a: _expert_mlp(a[0], w_in_EOD[a[1]], w_out_EDF[a[1]],
-                                              activation), (tiles_NtD, expert_N))
+    y_NtD = jax.lax.map(lambda a: _expert_mlp(a[0], _expert(w_in_EOD, a[1]),
+                                              _expert(w_out_EDF, a[1]), activation),
+                        (tiles_NtD, expert_N))
     return jnp.zeros_like(x_XD).at[order_X].set(y_NtD.reshape(n * t, D)[at_X])
 
 
