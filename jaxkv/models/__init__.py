@@ -35,6 +35,11 @@ GGUF_ARCHITECTURES = {
     "qwen3": Family(qwen.qwen3_gguf_config, qwen.gguf_map),
     "gemma2": Family(gemma.gemma2_gguf_config, gemma.gguf_map),
     "gemma3": Family(gemma.gemma3_gguf_config, gemma.gguf_map),
+    "gptneox": Family(gptneox.gguf_config, gptneox.gguf_map),
+    "olmo2": Family(olmo2.gguf_config, olmo2.gguf_map),
+    "phi3": Family(phi3.gguf_config, phi3.gguf_map),
+    "qwen3moe": Family(qwen3moe.gguf_config, qwen3moe.gguf_map),
+    "olmoe": Family(olmoe.gguf_config, olmoe.gguf_map),
 }
 
 # CTranslate2 model.bin spec name -> its reader

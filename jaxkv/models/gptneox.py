@@ -2,11 +2,14 @@
 
 What differs from Llama: attention and MLP read the same layer input and both join it
 (use_parallel_residual), RoPE turns only the first rotary_pct of each head's dims, LayerNorms
-with biases, a plain GELU MLP with biases, and Q/K/V fused per head ([N, 3, H] rows)."""
+with biases, a plain GELU MLP with biases, and Q/K/V fused per head ([N, 3, H] rows; llama.cpp's
+gptneox GGUFs hold them [3, N, H])."""
 
 from jaxkv.core.config import Config
-from jaxkv.models.common import activation, special_ids, with_defaults
-from jaxkv.models.maps import CheckpointError, Src, feed_forward, norm, out_proj, qkv
+from jaxkv.models import llama
+from jaxkv.models.common import (activation, gguf_arch_field, gguf_arch_required, special_ids,
+                                 with_defaults)
+from jaxkv.models.maps import CheckpointError, Src, feed_forward, norm, out_proj, qkv, rows
 
 # transformers' GPTNeoXConfig defaults for keys a config.json may omit (Pythia's files give
 # rotary_pct / rotary_emb_base; transformers 5 writes them into rope_parameters)
@@ -38,20 +41,54 @@ def hf_config(hf: dict, source: str, tensor_names=()) -> Config:
 
 
 def hf_map(c: Config, tensor_names=()) -> dict:
-    N, H, D = c.n_heads, c.head_dim, c.d_model
+    N, H = c.n_heads, c.head_dim
     h = "gpt_neox.layers.{i}."
-    w, b = h + "attention.query_key_value.weight", h + "attention.query_key_value.bias"
 
     def part(j):  # rows [N, 3, H]: head n's q, k, v one after another
         return lambda x: x.reshape(N, 3, H, *x.shape[1:])[:, j].reshape(N * H, *x.shape[1:])
+    return _map(c, part, dict(
+        embed="gpt_neox.embed_in.weight", lm_head="embed_out.weight",
+        attn_norm=h + "input_layernorm.weight", qkv=h + "attention.query_key_value.weight",
+        o=h + "attention.dense.weight", mlp_norm=h + "post_attention_layernorm.weight",
+        up=h + "mlp.dense_h_to_4h.weight", down=h + "mlp.dense_4h_to_h.weight",
+        final_norm="gpt_neox.final_layer_norm.weight"))
+
+
+def _map(c: Config, part, names: dict) -> dict:
+    """The map of either format's names; part(j) takes Q (0), K (1) or V (2) of the fused
+    rows."""
+    D = c.d_model
+    w, b = names["qkv"], names["qkv"].replace(".weight", ".bias")
     return {
-        "embed": Src("gpt_neox.embed_in.weight", (c.vocab_size, D)),
-        "lm_head": Src("embed_out.weight", (c.vocab_size, D)),
-        **norm(c, "blocks.attn_norm", h + "input_layernorm.weight"),
+        "embed": Src(names["embed"], (c.vocab_size, D)),
+        "lm_head": Src(names["lm_head"], (c.vocab_size, D)),
+        **norm(c, "blocks.attn_norm", names["attn_norm"]),
         **qkv(c, "blocks", *(Src(w, (3 * D, D), part(j)) for j in range(3)),
               *(Src(b if c.attn_bias else None, (3 * D,), part(j)) for j in range(3))),
-        **out_proj(c, "blocks", h + "attention.dense.weight", bias=c.attn_out_bias),
-        **norm(c, "blocks.mlp_norm", h + "post_attention_layernorm.weight"),
-        **feed_forward(c, "blocks", h + "mlp.dense_h_to_4h.weight", h + "mlp.dense_4h_to_h.weight"),
-        **norm(c, "final_norm", "gpt_neox.final_layer_norm.weight"),
+        **out_proj(c, "blocks", names["o"], bias=c.attn_out_bias),
+        **norm(c, "blocks.mlp_norm", names["mlp_norm"]),
+        **feed_forward(c, "blocks", names["up"], names["down"]),
+        **norm(c, "final_norm", names["final_norm"]),
     }
+
+
+# ---- GGUF (llama.cpp's gptneox) ---------------------------------------------------------------
+
+def gguf_config(reader, source: str) -> Config:
+    """llama.cpp's converter writes neither RoPE's base (its runtime's default, 10000, is
+    Pythia's) nor the kv head count; it reads use_parallel_residual and the LayerNorm epsilon
+    as required. The MLP's GELU is the exact one, as Pythia was trained (llama.cpp computes
+    the tanh approximation)."""
+    fields = llama.gguf_decoder_fields(reader, source)
+    return Config.llama(**{
+        **fields, "norm": "layernorm", "activation": "gelu", "gated_mlp": False,
+        "norm_eps": float(gguf_arch_required(reader, "attention.layer_norm_epsilon", source)),
+        "rotary_dim": gguf_arch_field(reader, "rope.dimension_count", fields["head_dim"]),
+        "parallel_residual": bool(gguf_arch_required(reader, "use_parallel_residual", source)),
+        "attn_bias": True, "mlp_bias": True})
+
+
+def gguf_map(c: Config, tensor_names=()) -> dict:
+    """llama.cpp's names; its converter reorders the fused rows to [3, N, H]."""
+    names = dict(llama.GGUF_NAMES, qkv="blk.{i}.attn_qkv.weight")
+    return _map(c, lambda j: rows(j, c.n_heads * c.head_dim), names)

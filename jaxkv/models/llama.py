@@ -3,7 +3,7 @@ Llama-shaped name map that Qwen, Mistral and Gemma reuse with their own tensor n
 
 from jaxkv.core.config import ROPE_SCALINGS, Config
 from jaxkv.models.maps import (CheckpointError, Src, feed_forward, linear_qkv, norm, out_proj,
-                           unpermute_rope_rows)
+                               stacked_experts, unpermute_rope_rows)
 from jaxkv.models.common import (activation, gguf_arch_field, gguf_arch_required, gguf_id,
                                  gguf_required, gguf_stop_ids, gguf_tensor_names, special_ids,
                                  with_defaults)
@@ -80,8 +80,18 @@ def hf_map(c: Config, tensor_names=()) -> dict:
 
 
 def gguf_map(c: Config, tensor_names=()) -> dict:
-    """llama.cpp permutes the llama architecture's Q/K rows (interleaved RoPE pairs)."""
-    return name_map(c, GGUF_NAMES, unpermute_qk=True)
+    """llama.cpp permutes the llama architecture's Q/K rows (interleaved RoPE pairs); Mixtral's
+    experts come stacked (see gguf_experts)."""
+    return {**name_map(c, GGUF_NAMES, unpermute_qk=True), **gguf_experts(c)}
+
+
+def gguf_experts(c: Config) -> dict:
+    """A mixture's router and stacked experts as llama.cpp names them (none for a dense
+    model)."""
+    if not c.n_experts:
+        return {}
+    return stacked_experts(c, "blk.{i}.ffn_gate_inp.weight", "blk.{i}.ffn_gate_exps.weight",
+                           "blk.{i}.ffn_up_exps.weight", "blk.{i}.ffn_down_exps.weight")
 
 
 # ---- Hugging Face config.json -----------------------------------------------------------------
@@ -141,7 +151,22 @@ def rope_scaling(hf: dict, source: str) -> tuple:
 # ---- GGUF -------------------------------------------------------------------------------------
 
 def gguf_config(reader, source: str) -> Config:
-    return Config.llama(**gguf_decoder_fields(reader, source))
+    """Llama, and Mixtral (llama.cpp writes it as llama with llama.expert_count experts of
+    feed_forward_length units; its runtime renormalizes the top k router weights)."""
+    return Config.llama(**gguf_decoder_fields(reader, source), **gguf_moe_fields(reader, True))
+
+
+def gguf_moe_fields(reader, norm_topk: bool) -> dict:
+    """Config's mixture-of-experts fields from <arch>.expert_count / expert_used_count /
+    expert_feed_forward_length (none: a dense model). Whether the top k weights are
+    renormalized is not in the file: llama.cpp fixes it per architecture (norm_topk)."""
+    n_experts = gguf_arch_field(reader, "expert_count", 0)
+    if not n_experts:
+        return {}
+    return dict(n_experts=n_experts, experts_per_token=gguf_arch_field(reader,
+                                                                       "expert_used_count", 0),
+                expert_d_ff=gguf_arch_field(reader, "expert_feed_forward_length"),
+                norm_topk=norm_topk)
 
 
 def gguf_decoder_fields(reader, source: str) -> dict:

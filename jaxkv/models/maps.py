@@ -117,6 +117,16 @@ def experts(c: Config, router: str, gate: str, up: str, down: str) -> dict:
             "blocks.experts_out": Fused(each(down, (D, F)), lambda *w: np.stack(w))}
 
 
+def stacked_experts(c: Config, router: str, gate: str, up: str, down: str) -> dict:
+    """experts() from tensors that stack every expert's matrix (llama.cpp's ffn_*_exps):
+    gate and up [E, F, D], down [E, D, F]."""
+    E, D, F = c.n_experts, c.d_model, c.expert_d_ff or c.d_ff
+    return {"blocks.router": Src(router, (E, D)),
+            "blocks.experts_in": Fused((Src(gate, (E, F, D)), Src(up, (E, F, D))),
+                                       lambda g, u: np.concatenate([g, u], axis=1)),
+            "blocks.experts_out": Src(down, (E, D, F))}
+
+
 def norm(c: Config, ours: str, scale: str, bias: str | None = None, width=None) -> dict:
     """ours.scale (+ bias) of width d_model, or `width` (per-head norms: head_dim)."""
     width = width or c.d_model

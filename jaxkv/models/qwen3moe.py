@@ -1,7 +1,7 @@
 """Qwen3-MoE: Qwen3 whose MLPs are mixtures of experts (moe_intermediate_size wide; the router
 weights renormalized where norm_topk_prob), but in mlp_only_layers and the layers
 decoder_sparse_step skips, which keep a dense MLP: config.json keys and the name map of
-Qwen3MoeForCausalLM."""
+Qwen3MoeForCausalLM; llama.cpp's qwen3moe GGUFs."""
 
 import dataclasses
 
@@ -34,3 +34,21 @@ def hf_map(c: Config, tensor_names=()) -> dict:
     return {**llama.name_map(c, llama.HF_NAMES),
             **experts(c, mlp + "gate.weight", mlp + "experts.{e}.gate_proj.weight",
                       mlp + "experts.{e}.up_proj.weight", mlp + "experts.{e}.down_proj.weight")}
+
+
+# ---- GGUF (llama.cpp's qwen3moe) --------------------------------------------------------------
+
+def gguf_config(reader, source: str) -> Config:
+    """Every layer a mixture (llama.cpp has no dense layers for qwen3moe) of experts
+    expert_feed_forward_length wide (absent: feed_forward_length / expert_used_count, as
+    llama.cpp); its runtime always renormalizes the top k router weights (norm_topk_prob is
+    not written: Qwen3-MoE's checkpoints set it), so this does too."""
+    config = qwen.qwen3_gguf_config(reader, source)
+    moe = llama.gguf_moe_fields(reader, True)
+    if moe and moe["expert_d_ff"] is None and moe["experts_per_token"]:
+        moe["expert_d_ff"] = config.d_ff // moe["experts_per_token"]
+    return dataclasses.replace(config, **moe)
+
+
+def gguf_map(c: Config, tensor_names=()) -> dict:
+    return {**qwen.gguf_map(c), **llama.gguf_experts(c)}
