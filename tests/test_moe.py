@@ -5,6 +5,8 @@ OLMoE (olmoe.py: router weights as they come or renormalized, q/k norms over all
 Loaded from save_pretrained's files, each must match transformers' logits and greedy tokens,
 and run every decoding path. (The experts' products themselves: tests/test_ops.py.)"""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -100,3 +102,23 @@ def test_int8_experts_on_load_and_from_quantize(moes):
     np.testing.assert_allclose(jaxkv.forward(ints, tokens_BT), jaxkv.forward(floats, tokens_BT),
                                atol=0.05)
     assert_decode_equals_forward(ints, np.asarray(tokens_BT), 5, 32)
+
+
+def test_the_jsonl_job_answers_as_generate(moes, tmp_path):
+    """jaxkv's JSONL job (jsonl.answer_file, what `python -m jaxkv --input` runs) on a mixture
+    of experts: each greedy completion is generate's."""
+    from jaxkv.front import jsonl
+    from tests.conftest import char_tokenizer
+
+    params = jaxkv.load(moes["olmoe"][1])
+    tokenizer = char_tokenizer(params.config.vocab_size)
+    prompts = ["Hello there", "A", "The quick brown fox", "xyz"]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    encode = lambda text: tokenizer.encode(text).ids  # noqa: E731
+    assert jsonl.answer_file(params, tokenizer, encode, str(source), str(tmp_path / "out.jsonl"),
+                             6, batch_size=2, temperature=0.0) == 4
+    rows = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    for i, prompt in enumerate(prompts):
+        tokens, _ = jaxkv.generate(params, [encode(prompt)], 6)
+        assert rows[i + 1]["completion"] == tokenizer.decode(np.asarray(tokens[0]).tolist())
