@@ -49,6 +49,9 @@ MODELS = {
                                    head_dim=128, tie_embeddings=False),
     "tiny": jaxkv.Config.llama(vocab_size=512, n_heads=4, n_kv_heads=2, max_seq_len=4096,
                                d_model=64, n_layers=2, d_ff=128, head_dim=16),
+    "tiny-moe": jaxkv.Config.llama(vocab_size=512, n_heads=4, n_kv_heads=2, max_seq_len=4096,
+                                   d_model=64, n_layers=2, d_ff=128, head_dim=16, n_experts=8,
+                                   experts_per_token=2, norm_topk=True),
 }
 PROGRAMS = ("decode_step", "prefill_chunk", "generate", "paged_step", "tree_pass")
 BLOCK_SIZE = 16  # generate_many's pages

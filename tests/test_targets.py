@@ -115,6 +115,22 @@ def test_a_tiny_models_programs_compile(target, kv):
                 assert ("dynamic-update-slice(" in text or "scatter(" in text) == (kv == "int8")
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_mixture_of_experts_compiles(target):
+    """A tiny mixture of experts with int8 experts (ops.experts: a decode step's rows slicing
+    out their experts, a prefill chunk's tiles of one expert each): its decode step and prefill
+    chunk compile for target, the step with no host sync."""
+    device = target_devices(target)[0]
+    case = Case("tiny-moe", batch=2, context=256, chunk=64, weights="int8")
+    with ops.on(device):
+        params = abstract_params(case)
+        made = programs(case, params, ("decode_step", "prefill_chunk"))
+    for name, (fn, args, donate) in made.items():
+        compiled, *_ = compile_one(fn, args, donate, device)
+        if name == "decode_step":
+            assert step_counts(compiled.as_text(), ops.platform_of(device))["host_syncs"] == 0
+
+
 PRODUCTS = {  # name: (rows, dtype, options of products.product)
     "rmsnorm_gated": (1, jnp.bfloat16, {"norm": "rmsnorm", "gated": ("silu", 128)}),
     "layernorm_bias": (8, jnp.bfloat16, {"norm": "layernorm", "bias": True}),
