@@ -51,7 +51,8 @@ WHERE["trace_counts"] = "jaxkv.core.tracecount"  # its TRACE_COUNTS
 # Modules the documentation names by these short paths (jaxkv.stops.cut, jaxkv.train.fit, ...);
 # jaxkv.lm_eval imports the harness, so it is left out of __all__.
 SHORT_PATHS = {f"jaxkv.{m.rpartition('.')[2]}": m for m in (
-    "jaxkv.core.sharding", "jaxkv.decoding.stops", "jaxkv.front.chat", "jaxkv.front.jsonl",
+    "jaxkv.core.sharding", "jaxkv.decoding.constraints", "jaxkv.decoding.stops",
+    "jaxkv.front.chat", "jaxkv.front.jsonl",
     "jaxkv.front.transcribe", "jaxkv.training.train", "jaxkv.front.lm_eval")}
 
 

@@ -56,7 +56,8 @@ def tiny_configs():
 
 
 ARCHS = {"gptneox": "GPTNEOX", "gptneox_sequential": "GPTNEOX", "olmo2": "OLMO2",
-         "phi3": "PHI3", "phi3_window": "PHI3", "qwen3moe": "QWEN3MOE", "olmoe": "OLMOE", "mixtral": "LLAMA"}
+         "phi3": "PHI3", "phi3_window": "PHI3", "qwen3moe": "QWEN3MOE", "olmoe": "OLMOE",
+         "mixtral": "LLAMA"}
 
 
 def write_metadata(writer, c, arch: str):

@@ -18,7 +18,7 @@ from jaxkv.core.decoder import decode_step, init_cache, prefill_padded
 from jaxkv.core.sharding import (check_mesh, constrain_cache, replicated, shard_params,
                                  shard_rows)
 from jaxkv.core.tracecount import count_trace
-from jaxkv.decoding import rows, stops
+from jaxkv.decoding import constraints, rows, stops
 from jaxkv.decoding.prompts import (capacity_for, check_room, eos_ids, pad_value,
                                     padded_encoder_inputs, prepare_prompts, token_mask,
                                     whole_blocks)
@@ -40,11 +40,12 @@ class _Decoding:
 @checks.trusted()  # generate_args checked the prompts; the loop makes its own positions
 def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id,
                   suppress_V, begin_suppress_V, stop: StopStrings, encoder_inputs=None,
-                  encoder_lengths=None, hooks=None, *,
+                  encoder_lengths=None, hooks=None, automaton=None, starts_B=None, *,
                   max_new_tokens: int, capacity: int, on_token=None, mesh=None, kv_dtype=None):
     """The compiled program behind generate: (encoder and cross K/V,) prefill, then a while
     loop of sample + decode_step that stops when every row has ended (with hooks, each pass's
-    captures written at its positions)."""
+    captures written at its positions; with a constraints.Automaton, each row's draws kept to
+    what its constraint allows, from its start state starts_B)."""
     count_trace("generate")
     B = tokens_BT.shape[0]
     cache = constrain_cache(init_cache(params, B, capacity, kv_dtype,
@@ -54,18 +55,21 @@ def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B
                                              jnp.zeros((B,), jnp.int32), hooks=hooks)
     acts = hooks_lib.positions(acts[0], capacity) if acts else {}
     seen_BV = rows.prompt_seen(params.config.vocab_size, tokens_BT, lengths_B)
-    answers = rows.empty(B, max_new_tokens, stop.completes.shape[1], pad_id, seen_BV)
+    answers = rows.empty(B, max_new_tokens, stop.completes.shape[1], pad_id, seen_BV,
+                         state_B=starts_B)
+    V = params.config.vocab_size
     state = _Decoding(constrain_cache(cache, mesh), logits_BV, lengths_B, answers, acts)
 
     def draw(s: _Decoding):
         """(s with every row's next token recorded, the tokens [B]: pad_id after a row's end)."""
         first_B1 = (s.answers.length == 0)[:, None]
-        token_B = rows.draw(s.answers, s.logits, sampling, keys_B,
-                            suppress_V | (begin_suppress_V & first_B1), pad_id)
+        banned_BV = (suppress_V | (begin_suppress_V & first_B1) |
+                     ~rows.allowed(s.answers, automaton, max_new_tokens, eos_E, V))
+        token_B = rows.draw(s.answers, s.logits, sampling, keys_B, banned_BV, pad_id)
         if on_token is not None:
             io_callback(on_token, None, token_B, ordered=True)
         answers, _ = rows.append(s.answers, token_B[:, None], jnp.ones((B,), jnp.int32), eos_E,
-                                 stop, max_new_tokens)
+                                 stop, max_new_tokens, automaton)
         return s.replace(answers=answers), token_B
 
     def step(s: _Decoding) -> _Decoding:
@@ -103,7 +107,10 @@ def generate(params, prompts, max_new_tokens: int, **options):
     result, acts {site: [.., B, capacity, D]} (attn_probs [L', B, N, capacity, capacity]):
     index t is row b's position t, prompt and
     generated (the last token drawn is never passed through, so a row's positions up to its
-    prompt length + its length - 2 hold captures; the rest zeros or the prompt's padding).
+    prompt length + its length - 2 hold captures; the rest zeros or the prompt's padding);
+    constraint: a jaxkv.constraints Regex / Choice / JsonSchema / Json for every row, or a list
+    of one (or None) per prompt: each answer is one the constraint accepts (end of sequence
+    allowed exactly where it accepts; a row ends where it must; see jaxkv.constraints).
     """
     args, static = generate_args(params, prompts, max_new_tokens, **options)
     with ops.on(args[0]):  # the program is built for where the weights are (or the mesh)
@@ -138,7 +145,7 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
                   top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                   eos_id=None, pad_id=None, max_len=None, on_token=None, encoder_inputs=None,
                   encoder_lengths=None, suppress_ids=None, begin_suppress_ids=None, mesh=None,
-                  kv_dtype=None, stop=None, tokenizer=None, hooks=None):
+                  kv_dtype=None, stop=None, tokenizer=None, hooks=None, constraint=None):
     """Validated (args, static kwargs) for generate_loop; lets callers compile ahead of time."""
     c = params.config
     tokens_BT, lengths_B = prepare_prompts(c, prompts, lengths)
@@ -163,8 +170,10 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
                                     shard_rows(encoder, mesh))
     hooks_lib.tap_for(hooks, None, c.n_layers)  # (checks hooks)
     hooks_lib.check_fits(hooks, c, B, capacity, params.embed.dtype, n_keys=capacity)
+    automaton = None if constraint is None else constraints.for_rows(
+        constraint, B, c.vocab_size, bool(eos_E[0] >= 0), max_new_tokens)
     args = (params, *per_row, eos_E, jnp.int32(pad_id), suppress_V, begin_V,
-            stops.tables(c, stop, tokenizer), *encoder, hooks)
+            stops.tables(c, stop, tokenizer), *encoder, hooks, *(automaton or (None, None)))
     if on_token is not None and mesh is not None and mesh.is_multi_process:
         raise ValueError("on_token: a host callback inside a program spread over several "
                          "processes is not supported; use iter_many / iter_tokens, or no mesh")

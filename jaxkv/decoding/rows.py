@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxkv.decoding import stops
+from jaxkv.decoding import constraints, stops
 from jaxkv.decoding.sampling import sample
 
 
@@ -28,14 +28,17 @@ class Answers:
     logprob: jax.Array | None = None  # [B, N] float32
     top_ids: jax.Array | None = None  # [B, N, k] int32
     top_logprob: jax.Array | None = None  # [B, N, k] float32
+    # where constrained (None otherwise), each row's state in the automaton (constraints.py)
+    state: jax.Array | None = None  # [B] int32
 
 
 def empty(batch_size: int, max_tokens: int, stop_prefixes: int = 0, pad_id=0, seen_BV=None,
-          done_B=None, logprobs: int | None = None) -> Answers:
+          done_B=None, logprobs: int | None = None, state_B=None) -> Answers:
     """Answers with nothing drawn. seen_BV: where the repetition penalty starts (each row's
     prompt, see prompt_seen), or None for a loop without one; done_B: rows that serve nothing
     yet (default none); logprobs: None, or k: keep each token's log-probability and the k
-    likeliest (see record_logprobs)."""
+    likeliest (see record_logprobs); state_B: each row's start in a constraints.Automaton, or
+    None for a loop without one."""
     B, N = batch_size, max_tokens
     k = logprobs or 0
     scored = {} if logprobs is None else dict(
@@ -43,7 +46,7 @@ def empty(batch_size: int, max_tokens: int, stop_prefixes: int = 0, pad_id=0, se
         top_logprob=jnp.zeros((B, N, k), jnp.float32))
     return Answers(tokens=jnp.full((B, N), pad_id, jnp.int32), length=jnp.zeros((B,), jnp.int32),
                    done=jnp.zeros((B,), bool) if done_B is None else done_B, seen=seen_BV,
-                   ends=jnp.zeros((B, stop_prefixes), bool), **scored)
+                   ends=jnp.zeros((B, stop_prefixes), bool), state=state_B, **scored)
 
 
 def prompt_seen(vocab_size: int, prompt_BT, lengths_B):
@@ -80,15 +83,29 @@ def record_logprobs(a: Answers, logits_BV, token_B) -> Answers:
                      top_logprob=a.top_logprob.at[rows_B, at_B].set(top_logprob_Bk, mode="drop"))
 
 
-def append(a: Answers, tokens_BJ, n_B, eos_E, stop, budget_B):
+def allowed(a: Answers, automaton, budget_B, eos_E, vocab_size: int):
+    """[B, V] bool: what each row's constraint allows it to draw next (its automaton's state,
+    the tokens left of budget_B); everything where the loop has no automaton."""
+    if automaton is None:
+        return jnp.ones((a.length.shape[0], vocab_size), bool)
+    return constraints.allowed(automaton, a.state, budget_B - a.length, eos_E, vocab_size)
+
+
+def append(a: Answers, tokens_BJ, n_B, eos_E, stop, budget_B, automaton=None):
     """(answers, ended [B]): each live row's answer extended by the first n_B of tokens_BJ, up
     to and including an end id (eos_E), the token that completes a stop string (stop:
-    StopStrings, or None for none), or its budget_B-th token (budget_B: [B] or one for all); a
-    row that reaches one of them is done. A loop drawing one token a step passes J = 1."""
+    StopStrings, or None for none), the token after which its constraint's automaton (a
+    constraints.Automaton, or None) must end, or its budget_B-th token (budget_B: [B] or one
+    for all); a row that reaches one of them is done. A loop drawing one token a step passes
+    J = 1."""
     B, N = a.tokens.shape
     j_J = jnp.arange(tokens_BJ.shape[1])
     offered_BJ = ~a.done[:, None] & (j_J < n_B[:, None])
     stopped_BJ, ends_BJM = _stop_states(stop, a.ends, tokens_BJ)
+    states_BJ = None
+    if automaton is not None:
+        accepted_BJ, states_BJ = _automaton_states(automaton, a.state, tokens_BJ)
+        stopped_BJ = stopped_BJ | accepted_BJ
     full_BJ = a.length[:, None] + j_J + 1 >= jnp.reshape(budget_B, (-1, 1))
     end_BJ = offered_BJ & (jnp.isin(tokens_BJ, eos_E) | stopped_BJ | full_BJ)
     taken_BJ = offered_BJ & (jnp.cumsum(end_BJ, axis=1) - end_BJ == 0)  # none after an end
@@ -100,9 +117,22 @@ def append(a: Answers, tokens_BJ, n_B, eos_E, stop, budget_B):
     last_B11 = jnp.maximum(taken_B - 1, 0)[:, None, None]
     ends_BM = jnp.where((taken_B > 0)[:, None],
                         jnp.take_along_axis(ends_BJM, last_B11, axis=1)[:, 0], a.ends)
+    state_B = a.state if states_BJ is None else jnp.where(
+        taken_B > 0, jnp.take_along_axis(states_BJ, last_B11[:, :, 0], axis=1)[:, 0], a.state)
     ended_B = end_BJ.any(1)
     return a.replace(tokens=tokens, length=a.length + taken_B, done=a.done | ended_B, seen=seen,
-                     ends=ends_BM), ended_B
+                     ends=ends_BM, state=state_B), ended_B
+
+
+def _automaton_states(automaton, state_B, tokens_BJ):
+    """(ends [B, J], states [B, J]): whether the automaton must end after token j, and its
+    state then, the tokens taken in order."""
+    ends, states = [], []
+    for j in range(tokens_BJ.shape[1]):
+        state_B, end_B = constraints.advance(automaton, state_B, tokens_BJ[:, j])
+        ends.append(end_B)
+        states.append(state_B)
+    return jnp.stack(ends, 1), jnp.stack(states, 1)
 
 
 def _stop_states(stop, ends_BM, tokens_BJ):

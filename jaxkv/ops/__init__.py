@@ -127,8 +127,8 @@ def attention_weights(q_BTNH, k_BKSH, mask_BTS, scale: float, *, bias_BNTS=None,
 def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, *, activation: str):
     """A mixture of experts' MLP for rows x [R, D]: the sum over k of weight_RK[r, k] times
     expert expert_RK[r, k]'s down(act(gate x) * up x), w_in_EOD [E, 2F, D] (gate rows, then up
-    rows), w_out_EDF [E, D, F], float or Int8 stacks; in x's dtype. Only the chosen experts are computed (and, for a
-    decode step's few rows, only their weights read)."""
+    rows), w_out_EDF [E, D, F], float or Int8 stacks; in x's dtype. Only the chosen experts are
+    computed (and, for a decode step's few rows, only their weights read)."""
     fn = getattr(backend(), "experts", None) or xla.experts
     return fn(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation)
 

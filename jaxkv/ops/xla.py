@@ -101,10 +101,11 @@ EXPERT_TILE = 16  # rows a tile of experts' products holds (each tile one expert
 def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation: str):
     """Each row's sum over k of weight_RK[r, k] times expert expert_RK[r, k]'s gated MLP of it:
     down(act(gate x) * up x), w_in_EOD [E, 2F, D] (gate rows, then up rows), w_out_EDF [E, D, F],
-    float or Int8 (jaxkv.quantize: scales per expert and row, read as int8); products accumulated in float32, the result in x's dtype. Only the experts rows chose are
-    computed: few rows (a decode step) slice out their experts' weights; many sort the rows by
-    expert into tiles of EXPERT_TILE rows, each one expert's (grouped products; XLA:CPU's
-    ragged_dot computes every expert for every row)."""
+    float or Int8 (jaxkv.quantize: scales per expert and row, read as int8); products
+    accumulated in float32, the result in x's dtype. Only the experts rows chose are computed:
+    few rows (a decode step) slice out their experts' weights; many sort the rows by expert
+    into tiles of EXPERT_TILE rows, each one expert's (grouped products; XLA:CPU's ragged_dot
+    computes every expert for every row)."""
     R, K = expert_RK.shape
     D = x_RD.shape[1]
     e_X = expert_RK.reshape(R * K)
