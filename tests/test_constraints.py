@@ -209,3 +209,27 @@ def test_bad_uses_name_the_prompt(params, tok):
     big = jaxkv.constraints.Choice(["x"], char_tokenizer(200))
     with pytest.raises(ValueError, match="tokenizer of 200 ids, the model has 97"):
         jaxkv.generate(params, PROMPTS, 10, constraint=big)
+
+
+def test_generate_many_and_stream_keep_each_prompts_constraint(params, tok):
+    """Continuous batching (3 rows for 6 prompts, a paged cache) and streaming: each prompt's
+    answer is generate's for it alone under the same constraint."""
+    regex, choice, schema = (kinds(tok)[k][0] for k in ("regex", "choice", "json_schema"))
+    prompts = [PROMPTS[i % 4] + [i] for i in range(6)]
+    per_prompt = [regex, choice, None, schema, regex, choice]
+    answers = jaxkv.generate_many(params, prompts, 22, constraint=per_prompt, batch_size=3,
+                                  eos_id=EOS)
+    for prompt, c, answer in zip(prompts, per_prompt, answers):
+        tokens, lengths = jaxkv.generate(params, [prompt], 22, constraint=c, eos_id=EOS)
+        assert answer == np.asarray(tokens[0, :lengths[0]]).tolist()
+    streamed = "".join(jaxkv.stream(params, tok, tok.decode(prompts[3]), 22, constraint=schema,
+                                    eos_id=EOS))
+    want = decoded(tok, *jaxkv.generate(params, [prompts[3]], 22, constraint=schema,
+                                        eos_id=EOS), EOS)[0]
+    assert streamed == want and json.loads(streamed)["ok"] in (True, False)
+
+
+def test_generate_many_names_the_prompt_a_constraint_does_not_fit(params, tok):
+    long = jaxkv.constraints.Regex("[a-z]{20}", tok)
+    with pytest.raises(ValueError, match=r"prompts\[2\] .*shortest answer is 20 tokens"):
+        jaxkv.generate_many(params, PROMPTS, [30, 30, 10, 30], constraint=long)

@@ -2,6 +2,7 @@
 short (a torn last line included) resumes and ends with the same answers, each once."""
 
 import json
+import re
 
 import jax
 import pytest
@@ -90,6 +91,7 @@ def test_resume_after_a_kill_gives_the_same_answers(llama, tmp_path):
                                                  'positive int, got True'),
     ('{"prompt": "x", "id": [1]}', 'in.jsonl:2: "id" must be an int or a string'),
     (b'{"prompt": "caf\xe9"}', r"in.jsonl:2: not UTF-8 text \(invalid continuation byte"),
+    ('{"prompt": "x", "regex": "a", "choices": ["a"]}', "in.jsonl:2: at most one of"),
 ])
 def test_bad_requests(tmp_path, line, message):
     """Each bad line is named by file and line, before anything is generated."""
@@ -252,3 +254,30 @@ def test_the_command_checks_its_job_before_loading(llama, tmp_path, monkeypatch,
     source.write_text(source.read_text() + "not json\n")
     with pytest.raises(SystemExit, match="in.jsonl:7: not a JSON object"):
         cli.main(argv)
+
+
+def test_each_request_keeps_its_form(llama, tmp_path):
+    """Requests with "regex", "choices" or "json_schema" (and one without) in one job: each
+    completion has its form; the same form twice is compiled once."""
+    requests = [{"prompt": "Hello", "regex": "[0-9]{3}"},
+                {"prompt": "Pick", "choices": ["red", "green", "blue"]},
+                {"prompt": "Data", "json_schema": {"type": "object", "properties": {
+                    "x": {"type": "integer"}}, "required": ["x"]}, "max_new_tokens": 12},
+                {"prompt": "Free"}, {"prompt": "Again", "regex": "[0-9]{3}"}]
+    out = tmp_path / "out.jsonl"
+    assert run(llama, tmp_path, out, requests) == 5
+    got = answers(out)
+    assert re.fullmatch("[0-9]{3}", got["1"]["completion"])
+    assert re.fullmatch("[0-9]{3}", got["5"]["completion"])
+    assert got["2"]["completion"] in ("red", "green", "blue")
+    assert isinstance(json.loads(got["3"]["completion"])["x"], int)
+
+
+@pytest.mark.parametrize("request_, message", [
+    ({"prompt": "x", "regex": "(a"}, "in.jsonl:1: regex: .*not a regular expression"),
+    ({"prompt": "x", "choices": []}, "in.jsonl:1: choices: .*non-empty list"),
+    ({"prompt": "x", "regex": "[a-z]{40}"}, "in.jsonl:1 .*shortest answer is 40 tokens"),
+])
+def test_a_bad_form_names_its_line(llama, tmp_path, request_, message):
+    with pytest.raises(ValueError, match=message):
+        run(llama, tmp_path, tmp_path / "out.jsonl", [request_])

@@ -19,7 +19,7 @@ from jaxkv.core import checks
 from jaxkv.core import hooks as hooks_lib
 from jaxkv.core.sharding import check_mesh, fetch, shard_params
 from jaxkv.decoding import blocks as blocks_lib
-from jaxkv.decoding import stops
+from jaxkv.decoding import constraints, stops
 from jaxkv.decoding.progress import Progress
 from jaxkv.decoding.prompts import PerPrompt, budget_list, eos_ids, sized
 from jaxkv.decoding.sampling import base_key
@@ -66,7 +66,8 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
     value per prompt (temperature ..., max_new_tokens, indices) apply to that prompt, whichever
     row serves it, and a list of prompts needs exactly one each. logprobs=k: each answer is a
     Scored (ids, each token's log-probability under the model's own distribution, the k
-    likeliest tokens with theirs) instead of its ids. hooks (a jaxkv.Hooks): its edits apply
+    likeliest tokens with theirs) instead of its ids. constraint: a jaxkv.constraints automaton
+    for every prompt, or one (or None) per prompt (see generate). hooks (a jaxkv.Hooks): its edits apply
     to every pass, and each answer comes as (answer, acts), acts {site: [L', T, D]} (attn_probs
     [L', N, T, capacity]) numpy arrays of the prompt's and answer's positions 0..T-1 (T = prompt
     + answer - 1: the last token drawn is never passed through); a cached prefix holds no
@@ -124,7 +125,7 @@ class Schedule:
                  top_k=None, top_p=None, min_p=None, repetition_penalty=None, key=None,
                  eos_id=None, stop=None, tokenizer=None, max_len=None, indices=None,
                  logprobs=None, block_size=16, cache_tokens=None, prefix_cache=True,
-                 mesh=None, limit=None, name_of=None, hooks=None):
+                 mesh=None, limit=None, name_of=None, hooks=None, constraint=None):
         """mesh: rows over its data axis, the model over its model axis (a mesh may span
         processes: every process then runs the same Schedule). limit: how an error names the
         cache's positions (default: max_len, the model's max_seq_len, or the cache's size, as
@@ -146,6 +147,10 @@ class Schedule:
         self.sampling = PerPrompt(self.count, temperature=temperature, top_k=top_k, top_p=top_p,
                                   min_p=min_p, repetition_penalty=repetition_penalty)
         self.stop, self.eos_E = stops.tables(c, stop, tokenizer), eos_ids(c, eos_id)
+        self.constraints = constraints.per_prompt(constraint, self.count)
+        self.one_constraint = not isinstance(constraint, (list, tuple))  # for every prompt
+        self.automaton, self.start_of = (None, None) if constraint is None else constraints.join(
+            self.constraints, c.vocab_size, bool(self.eos_E[0] >= 0))
         self.params = params if check_mesh(mesh) is None else shard_params(params, mesh)
         self.key, self.indices = base_key(key), indices
         if self.key.ndim != 0:
@@ -178,14 +183,14 @@ class Schedule:
                              n_keys=self.capacity)
         self.rows = placed(empty_rows(params, batch_size, self.capacity, self.N,
                                       self.stop.completes.shape[1], logprobs, self.paging,
-                                      hooks), mesh)
+                                      hooks, self.start_of and self.start_of(None)), mesh)
         # row -> [prompt index, ids, ids prefilled, budget, where the row forgets its last
         # prompt (None: it continues it, as Chat's turns do)]
         self.serving = [None] * batch_size
 
     def decode(self, steps: int):
         self.rows = decode(self.params, self.rows, self.eos_E, self.stop, jnp.int32(steps),
-                           self.hooks)
+                           self.hooks, self.automaton)
 
     def fill(self) -> bool:
         """Gives every free row the next prompt (a paged cache's pool permitting: a prompt it
@@ -245,10 +250,20 @@ class Schedule:
         if self.paging is not None:
             self.fits_pool(i, ids, name)
         self.sampling(i)
+        constraints.check(self.constraint_of(i), name, self.config.vocab_size, budget)
         if self.indices is not None and i >= len(self.indices):
             raise ValueError(f"indices has {len(self.indices)} values, but there are more "
                              f"prompts (prompt {i})")
         return ids
+
+    def constraint_of(self, i: int):
+        """Prompt i's constraint (or None)."""
+        if self.one_constraint:
+            return self.constraints[0]
+        if i >= len(self.constraints):
+            raise ValueError(f"constraint has {len(self.constraints)} values, but there are "
+                             f"more prompts (prompt {i})")
+        return self.constraints[i]
 
     def fits_pool(self, i: int, ids, name=None):
         """A prompt and its budget must fit the whole pool where it cannot grow."""
@@ -295,7 +310,9 @@ class Schedule:
                 self.rows = admit(self.params, self.rows, jnp.int32(b), tokens_P,
                                   jnp.int32(len(piece)), jnp.int32(start), self.prompt_key(i),
                                   jnp.int32(budget if s[2] == len(ids) else 0),
-                                  self.sampling(i), start == fresh, **paged, hooks=self.hooks)
+                                  self.sampling(i), start == fresh, **paged, hooks=self.hooks,
+                                  state=self.start_of and jnp.int32(self.start_of(
+                                      self.constraint_of(i))))
                 if self.paging is not None:
                     self.paging.wrote(b, s[2])
 

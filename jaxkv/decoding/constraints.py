@@ -303,32 +303,48 @@ def for_rows(constraint, batch_size: int, vocab_size: int, has_end: bool,
     """(Automaton, start states [B]) for constraint: None (no row constrained), one Constraint
     for every row, or a list of one (or None) per row. Checked before anything runs: each fits
     the model's vocabulary and its shortest answer max_new_tokens."""
-    per_row = list(constraint) if isinstance(constraint, (list, tuple)) else [
-        constraint] * batch_size
-    if len(per_row) != batch_size:
-        raise ValueError(f"constraint: one per prompt expected ({batch_size}), got "
-                         f"{len(per_row)}")
-    distinct = []
+    per_row = per_prompt(constraint, batch_size)
     for row, c in enumerate(per_row):
-        if c is None:
-            continue
-        if not isinstance(c, Constraint):
-            raise TypeError(f"constraint of prompt {row}: expected a jaxkv.constraints "
-                            f"Regex / Choice / JsonSchema / Json, got {type(c).__name__}")
-        if c.vocab_size > vocab_size:
-            raise ValueError(f"constraint of prompt {row} ({c.description}): built for a "
-                             f"tokenizer of {c.vocab_size} ids, the model has {vocab_size}")
-        if c.shortest > max_new_tokens:
-            raise ValueError(f"constraint of prompt {row} ({c.description}): its shortest "
-                             f"answer is {c.shortest} tokens, more than max_new_tokens "
-                             f"({max_new_tokens})")
-        if not any(c is d for d in distinct):
+        check(c, f"prompt {row}", vocab_size, max_new_tokens)
+    automaton, start_of = join(per_row, vocab_size, has_end)
+    return automaton, jnp.asarray([start_of(c) for c in per_row], jnp.int32)
+
+
+def per_prompt(constraint, count: int | None) -> list:
+    """constraint as one (or None) per prompt: a list or tuple is that already (count of them,
+    where known); a Constraint or None is every prompt's."""
+    if isinstance(constraint, (list, tuple)):
+        if count is not None and len(constraint) != count:
+            raise ValueError(f"constraint: one per prompt expected ({count}), got "
+                             f"{len(constraint)}")
+        return list(constraint)
+    return [constraint] * (count or 1)
+
+
+def check(c, name: str, vocab_size: int, max_new_tokens: int):
+    """c (a Constraint or None) fits a model of vocab_size and an answer of max_new_tokens;
+    errors name the prompt (name)."""
+    if c is None:
+        return
+    if not isinstance(c, Constraint):
+        raise TypeError(f"constraint of {name}: expected a jaxkv.constraints Regex / Choice / "
+                        f"JsonSchema / Json, got {type(c).__name__}")
+    if c.vocab_size > vocab_size:
+        raise ValueError(f"constraint of {name} ({c.description}): built for a tokenizer of "
+                         f"{c.vocab_size} ids, the model has {vocab_size}")
+    if c.shortest > max_new_tokens:
+        raise ValueError(f"constraint of {name} ({c.description}): its shortest answer is "
+                         f"{c.shortest} tokens, more than max_new_tokens ({max_new_tokens})")
+
+
+def join(constraints, V: int, has_end: bool) -> tuple:
+    """(Automaton, start_of): the distinct Constraints among constraints joined (None: a row
+    without one), and start_of(c) -> the start state of c (or of None)."""
+    distinct = []
+    for c in constraints:
+        if c is not None and not any(c is d for d in distinct):
             distinct.append(c)
-    return _joined(distinct, per_row, vocab_size, has_end)
-
-
-def _joined(distinct: list, per_row: list, V: int, has_end: bool) -> tuple:
-    first, first_x, parts = [], [], []
+    first, first_x, widths = [], [], []
     s0 = x0 = 0
     for c in distinct:
         first.append(s0)
@@ -352,14 +368,15 @@ def _joined(distinct: list, per_row: list, V: int, has_end: bool) -> tuple:
         a["final"][s:s + n], a["fewest"][s:s + n] = c.final, c.fewest
         a["stop"][s:s + n] = c.final & (~c.way_on | (not has_end))
         a["limit"][s:s + n] = c.vocab_size
-        parts.append(np.diff(c.offsets).max(initial=0))
+        widths.append(np.diff(c.offsets).max(initial=0))
     a["default_allowed"][free] = a["final"][free] = True
     a["default_next"][free], a["fewest"][free], a["limit"][free] = free, 0, V
-    starts = [free if c is None else first[next(i for i, d in enumerate(distinct) if d is c)]
-              for c in per_row]
-    W = _pow2(max(parts, default=1))
-    return (Automaton(**{k: jnp.asarray(v) for k, v in a.items()}, W=W),
-            jnp.asarray(starts, jnp.int32))
+
+    def start_of(c) -> int:
+        return free if c is None else first[next(i for i, d in enumerate(distinct) if d is c)]
+    automaton = Automaton(**{k: jnp.asarray(v) for k, v in a.items()},
+                          W=_pow2(max(widths, default=1)))
+    return automaton, start_of
 
 
 def _pow2(n: int) -> int:

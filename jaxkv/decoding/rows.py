@@ -150,8 +150,10 @@ def _stop_states(stop, ends_BM, tokens_BJ):
     return jnp.stack(stopped, 1), jnp.stack(ends, 1)
 
 
-def restart(a: Answers, row, seen_V, done) -> Answers:
+def restart(a: Answers, row, seen_V, done, state=None) -> Answers:
     """Row `row` starts a new answer: nothing drawn, no stop-string prefix, the penalty over
-    seen_V [V], done as given (a row still being admitted is)."""
+    seen_V [V], done as given (a row still being admitted is), its constraint's automaton at
+    state (where the answers keep states)."""
     return a.replace(length=a.length.at[row].set(0), done=a.done.at[row].set(done),
-                     seen=a.seen.at[row].set(seen_V), ends=a.ends.at[row].set(False))
+                     seen=a.seen.at[row].set(seen_V), ends=a.ends.at[row].set(False),
+                     state=None if a.state is None else a.state.at[row].set(state))

@@ -37,12 +37,15 @@ class Rows:
 
 def empty_rows(params, batch_size: int, capacity: int, max_new_tokens: int,
                stop_prefixes: int = 0, logprobs: int | None = None, paging=None,
-               hooks=None) -> Rows:
+               hooks=None, free_state=None) -> Rows:
     """paging: a blocks.Paging (the global layers then a pool of its size), or None; hooks:
-    their captures' buffers, by position."""
+    their captures' buffers, by position; free_state: where constrained, the automaton's state
+    of a row without a constraint (every row's until admitted)."""
     B, V = batch_size, params.config.vocab_size
     answers = answers_lib.empty(B, max_new_tokens, stop_prefixes, seen_BV=jnp.zeros((B, V), bool),
-                                done_B=jnp.ones((B,), bool), logprobs=logprobs)
+                                done_B=jnp.ones((B,), bool), logprobs=logprobs,
+                                state_B=None if free_state is None else jnp.full(
+                                    (B,), free_state, jnp.int32))
     blocks = {} if paging is None else dict(block_size=paging.pool.size,
                                             blocks=paging.pool.blocks)
     return Rows(init_cache(params, B, capacity, **blocks), jnp.zeros((B, V), jnp.float32),
@@ -62,22 +65,23 @@ def placed(rows: Rows, mesh) -> Rows:
 
 @functools.partial(jax.jit, donate_argnames="rows")
 def admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampling, first,
-          table_M=None, seen_V=None, hooks=None) -> Rows:
+          table_M=None, seen_V=None, hooks=None, state=None) -> Rows:
     """Prefills tokens_P[:length] into row `row` at positions start.. (first: a new prompt's
     first piece, which forgets the row's last prompt). The row starts decoding once start +
     length is the whole prompt, i.e. when called with its last piece: the caller says so through
     budget > 0. key and sampling (scalars each) are the prompt's own. A paged cache's row reads
     and writes through table_M; seen_V: the prompt's tokens before start that the row did not
     compute (read from blocks another prompt computed), for the repetition penalty. hooks:
-    edits applied, captures written at the row's positions."""
+    edits applied, captures written at the row's positions. state: the start of the prompt's
+    constraint's automaton (where constrained)."""
     count_trace("admit")
     with checks.trusted():  # row, start and length come from Schedule, which checked them
         return _admit(params, rows, row, tokens_P, length, start, key, budget, sampling, first,
-                      table_M, seen_V, hooks)
+                      table_M, seen_V, hooks, state)
 
 
 def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampling, first,
-           table_M, seen_V, hooks) -> Rows:
+           table_M, seen_V, hooks, state) -> Rows:
     cache_1 = cache_lib.row_of(rows.cache, row)
     if table_M is not None:
         cache_1 = cache_lib.with_table(cache_1, table_M[None])
@@ -98,27 +102,33 @@ def _admit(params, rows: Rows, row, tokens_P, length, start, key, budget, sampli
                         budget=rows.budget.at[row].set(budget),
                         sampling=jax.tree.map(lambda x, v: x.at[row].set(v), rows.sampling,
                                               sampling),
-                        answers=answers_lib.restart(a, row, seen_V, budget == 0))
+                        answers=answers_lib.restart(a, row, seen_V, budget == 0, state))
 
 
 @functools.partial(jax.jit, donate_argnames="rows")
-def decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps, hooks=None) -> Rows:
+def decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps, hooks=None,
+           automaton=None) -> Rows:
     """Up to max_steps tokens for every decoding row; returns early once some row ends (EOS,
-    a stop string, or its budget). hooks: edits applied, captures written at the positions."""
+    a stop string, its constraint, or its budget). hooks: edits applied, captures written at
+    the positions; automaton: the rows' constraints (constraints.Automaton), or None."""
     count_trace("decode_rows")
     with checks.trusted():  # positions stay below the capacity Schedule checked
-        return _decode(params, rows, eos_E, stop, max_steps, hooks)
+        return _decode(params, rows, eos_E, stop, max_steps, hooks, automaton)
 
 
-def _decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps, hooks) -> Rows:
-    B = rows.pos.shape[0]
+def _decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps, hooks, automaton) -> Rows:
+    B, V = rows.pos.shape[0], params.config.vocab_size
 
     def step(carry):
         rows, n, _ = carry
-        token_B = answers_lib.draw(rows.answers, rows.logits, rows.sampling, rows.keys)
+        banned_BV = None if automaton is None else ~answers_lib.allowed(
+            rows.answers, automaton, rows.budget, eos_E, V)
+        token_B = answers_lib.draw(rows.answers, rows.logits, rows.sampling, rows.keys,
+                                   banned_BV)
         answers = answers_lib.record_logprobs(rows.answers, rows.logits, token_B)
         answers, ended_B = answers_lib.append(answers, token_B[:, None],
-                                              jnp.ones((B,), jnp.int32), eos_E, stop, rows.budget)
+                                              jnp.ones((B,), jnp.int32), eos_E, stop, rows.budget,
+                                              automaton)
         going_B = ~answers.done
         pos_B1, capacity = rows.pos[:, None], rows.cache.capacity
         tap = hooks_lib.tap_for(hooks, pos_B1, params.config.n_layers, n_keys=capacity)

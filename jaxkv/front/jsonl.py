@@ -6,7 +6,8 @@ reading its own copy of the requests: process 0 alone writes the answers, and te
 which ids its file holds.
 
 Input lines: {"prompt": text, "id": optional (default: the line number, from 1),
-"max_new_tokens": optional}. Output lines: {"id", "completion", "tokens", "options"} (tokens:
+"max_new_tokens": optional, and at most one of "regex": a pattern, "choices": a list of strings,
+"json_schema": a schema (an object, or {} for any JSON): the answer's form (jaxkv.constraints)}. Output lines: {"id", "completion", "tokens", "options"} (tokens:
 how many the answer drew, a stop token included; options: what the answer was drawn with beyond
 its request, which a resumed job must repeat); with logprobs=k also "logprobs": per token drawn,
 its {"token" (its text), "id", "logprob"} and "top": the k likeliest as {"token", "id",
@@ -23,8 +24,10 @@ import jax
 import numpy as np
 
 from jaxkv.core.sharding import from_first_process, same_on_every_process
-from jaxkv.decoding import stops
+from jaxkv.decoding import constraints, stops
 from jaxkv.decoding.batching import iter_many
+
+FORMS = ("regex", "choices", "json_schema")  # a request's constraint, at most one
 
 
 def read_requests(path: str) -> list[dict]:
@@ -70,7 +73,28 @@ def _request(line: str, where: str) -> dict:
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
                                or budget < 1):
         raise ValueError(f'{where}: "max_new_tokens" must be a positive int, got {budget!r}')
+    forms = [k for k in FORMS if k in request]
+    if len(forms) > 1:
+        raise ValueError(f"{where}: at most one of {', '.join(map(repr, FORMS))} may be given, "
+                         f"got {', '.join(map(repr, forms))}")
     return request
+
+
+def _constraint(request: dict, tokenizer, where: str, built: dict):
+    """The request's constraint (None without one), built once per distinct form (built: those
+    so far); a bad one is an error naming its line."""
+    form = next((k for k in FORMS if k in request), None)
+    if form is None:
+        return None
+    key = json.dumps([form, request[form]], sort_keys=True)
+    if key not in built:
+        make = {"regex": constraints.Regex, "choices": constraints.Choice,
+                "json_schema": constraints.JsonSchema}[form]
+        try:
+            built[key] = make(request[form], tokenizer)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{where}: {form}: {e}") from None
+    return built[key]
 
 
 # What an answer depends on beyond its request and the job's budget, stops and seed (with its
@@ -248,6 +272,10 @@ def _answer_lines(params, tokenizer, encode, pending, input_path, max_new_tokens
     prompts = [_encoded(encode, r, input_path) for r in pending]
     if not pending:
         return
+    built = {}
+    forms = [_constraint(r, tokenizer, f"{input_path}:{r['line']}", built) for r in pending]
+    if any(f is not None for f in forms):
+        options = dict(options, constraint=forms)
     answers = iter_many(params, prompts, [r.get("max_new_tokens", max_new_tokens) for r in pending],
                         key=jax.random.key(seed), eos_id=list(stop_ids) or None,
                         stop=stop or None, tokenizer=tokenizer,
