@@ -233,3 +233,20 @@ def test_generate_many_names_the_prompt_a_constraint_does_not_fit(params, tok):
     long = jaxkv.constraints.Regex("[a-z]{20}", tok)
     with pytest.raises(ValueError, match=r"prompts\[2\] .*shortest answer is 20 tokens"):
         jaxkv.generate_many(params, PROMPTS, [30, 30, 10, 30], constraint=long)
+
+
+@pytest.mark.parametrize("draft", ["lookup", "model"])
+def test_speculative_equals_generate_under_a_constraint(params, tok, draft):
+    """Each tree node's draw masked by its row's automaton: speculative_generate's answers
+    equal generate's, greedy and sampled with the same key (a drafted token the constraint
+    forbids is never accepted). Prompts that repeat, so lookup drafts."""
+    drafter = draft if draft == "lookup" else jaxkv.init_params(
+        jaxkv.Config.gpt2(n_heads=2, **TINY), jax.random.key(5))
+    regex = jaxkv.constraints.Regex(r"([0-9]{2}-)+[a-c]", tok)
+    prompts = [[16, 17, 13, 16, 17, 13, 16], [18, 13, 18, 13, 18], [5, 6], [20, 21, 13, 20]]
+    for options in ({}, dict(temperature=1.0, key=jax.random.key(3))):
+        want = jaxkv.generate(params, prompts, 16, constraint=regex, eos_id=EOS, **options)
+        got = jaxkv.speculative_generate(params, prompts, 16, constraint=regex, eos_id=EOS,
+                                         draft=drafter, n_draft=3, **options)
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_array_equal(got[0], want[0])

@@ -11,6 +11,7 @@ import numpy as np
 from jaxkv.core.cache import store
 from jaxkv.core.decoder import cached_pass, logits
 from jaxkv.core.params import Params
+from jaxkv.decoding import constraints
 from jaxkv.decoding.sampling import argmax
 
 NGRAM = 3  # lookup matches the last MIN_MATCH..NGRAM tokens; longer ones rank first, then recency
@@ -189,3 +190,30 @@ def compact(cache, pos_B, m_B, a_B, M: int, D: int):
                                                                  (k, v)))
     move = lambda x, moved: x.at[rows_B1, :, dst_BN].set(moved, mode="drop")  # noqa
     return cache.replace(k=jax.tree.map(move, k, k_moved), v=jax.tree.map(move, v, v_moved))
+
+
+def nodes_allowed(automaton, state_B, chain_BMD, step_BN, eos_E, max_new_tokens: int, V: int):
+    """[B, N, V]: what each row's automaton allows at each tree node (the root at state_B, a
+    chain's node after its drafted tokens so far), the budget counted from the node's step;
+    None unconstrained."""
+    if automaton is None:
+        return None
+    B, M, D = chain_BMD.shape
+    states, state_X = [state_B[:, None]], jnp.repeat(state_B, M)
+    for d in range(D):  # chain m's node d: its state after the chain's tokens 0..d
+        state_X, _ = constraints.advance(automaton, state_X, chain_BMD[:, :, d].reshape(-1))
+        states.append(state_X.reshape(B, M))
+    state_BN = jnp.concatenate([states[0], *(jnp.stack(states[1:], 2).reshape(B, -1)
+                                             for _ in range(D > 0))], 1)
+    left_X = (max_new_tokens - step_BN).reshape(-1)
+    return constraints.allowed(automaton, state_BN.reshape(-1), left_X, eos_E, V).reshape(
+        B, -1, V)
+
+
+def drafts_allowed(allowed_BNV, chain_BMD):
+    """[B, M, D] bool: each drafted token is one its parent node allows."""
+    B, M, D = chain_BMD.shape
+    parent_MD = np.concatenate([np.zeros((M, 1), int),
+                                1 + np.arange(M)[:, None] * D + np.arange(D - 1)[None]], 1)
+    return jnp.take_along_axis(allowed_BNV[:, parent_MD.reshape(-1)],
+                               chain_BMD.reshape(B, -1, 1), axis=2).reshape(B, M, D)

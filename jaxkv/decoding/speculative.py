@@ -40,9 +40,10 @@ from jaxkv.core.decoder import decode_step, init_cache, prefill_padded
 from jaxkv.core.params import Params
 from jaxkv.core.tracecount import count_trace
 from jaxkv.core.sharding import check_mesh, replicated, shard_params, shard_rows
-from jaxkv.decoding import rows
-from jaxkv.decoding.drafts import (compact, draft_chains, kept_slots, lookup_chains,
-                                   lookup_hindsight, tree_pass, tree_shape, walk)
+from jaxkv.decoding import constraints, rows
+from jaxkv.decoding.drafts import (compact, draft_chains, drafts_allowed, kept_slots,
+                                   lookup_chains, lookup_hindsight, nodes_allowed, tree_pass,
+                                   tree_shape, walk)
 from jaxkv.decoding.prompts import (SLOT_MULTIPLE, capacity_for, check_room, eos_ids,
                                     pad_value, prepare_prompts, whole_blocks)
 from jaxkv.decoding.sampling import row_keys, sample, sampling_params
@@ -110,30 +111,36 @@ class _Rows:
     keys: jax.Array  # [B] the row's key
 
 
-def _commit(s: _Rows, committed_BJ, a_B, eos_E, max_new_tokens: int) -> _Rows:
+def _commit(s: _Rows, committed_BJ, a_B, eos_E, max_new_tokens: int, automaton=None) -> _Rows:
     """Records each live row's committed tokens (a_B accepted ones and the target's draw after
-    them) in its answer and history; the answer ends at an EOS or the budget."""
+    them) in its answer and history; the answer ends at an EOS, its constraint or the
+    budget."""
     B, J = committed_BJ.shape
     live_B = ~s.answers.done
     n_B = jnp.where(live_B, a_B + 1, 0)
     new_BJ = jnp.arange(J) < n_B[:, None]
     at_BJ = jnp.where(new_BJ, s.pos[:, None] + 1 + jnp.arange(J), s.hist.shape[1])
     hist = s.hist.at[jnp.arange(B)[:, None], at_BJ].set(committed_BJ, mode="drop")
-    answers, _ = rows.append(s.answers, committed_BJ, n_B, eos_E, None, max_new_tokens)
+    answers, _ = rows.append(s.answers, committed_BJ, n_B, eos_E, None, max_new_tokens,
+                             automaton)
     return s.replace(hist=hist, pos=s.pos + n_B, answers=answers, passes=s.passes + live_B,
                      accepted=s.accepted + jnp.where(live_B, a_B, 0))
 
 
-def _draw(logits_BNV, sampling, keys_B, step_BN):
-    """The target's token at every node: what generate draws at that row's step."""
+def _draw(logits_BNV, sampling, keys_B, step_BN, allowed_BNV=None):
+    """The target's token at every node: what generate draws at that row's step (allowed_BNV:
+    where constrained, what the row's automaton allows at the node)."""
     B, N, V = logits_BNV.shape
+    if allowed_BNV is not None:
+        logits_BNV = jnp.where(allowed_BNV, logits_BNV, -jnp.inf)
     flat = jax.tree.map(lambda x: jnp.repeat(x, N, axis=0), sampling)
     return sample(logits_BNV.reshape(B * N, V), flat, jnp.repeat(keys_B, N),
                   step_BN.reshape(-1), jnp.zeros((B * N, V), bool)).reshape(B, N)
 
 
-def _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id, *,
-           max_new_tokens: int, capacity: int, M: int, Ds: tuple, kv_dtype) -> _Rows:
+def _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id,
+           automaton=None, starts_B=None, *, max_new_tokens: int, capacity: int, M: int,
+           Ds: tuple, kv_dtype) -> _Rows:
     """The rows after prefill (of the target, and of the draft model if any), with the target's
     first token drawn and pending; Ds: n_draft at each batch size."""
     D = max(Ds)
@@ -146,14 +153,17 @@ def _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_i
     if dparams is not None:
         _, dcache = prefill_padded(dparams, init_cache(dparams, B, capacity, kv_dtype),
                                    tokens_BT, lengths_B, start_B)
-    first_B = _draw(logits_BV[:, None], sampling, keys_B, jnp.zeros((B, 1), jnp.int32))[:, 0]
+    step_B1 = jnp.zeros((B, 1), jnp.int32)
+    allowed_B1V = nodes_allowed(automaton, starts_B, jnp.zeros((B, 0, 0), jnp.int32), step_B1, eos_E,
+                           max_new_tokens, logits_BV.shape[-1])
+    first_B = _draw(logits_BV[:, None], sampling, keys_B, step_B1, allowed_B1V)[:, 0]
     hist = jnp.zeros((B, capacity), jnp.int32).at[:, :T].set(tokens_BT)
     zeros = jnp.zeros((B,), jnp.int32)
     s = _Rows(cache, dcache, hist, lengths_B - 1, jnp.zeros((B,), bool),
-              rows.empty(B, max_new_tokens, pad_id=pad_id), zeros, zeros,
+              rows.empty(B, max_new_tokens, pad_id=pad_id, state_B=starts_B), zeros, zeros,
               jnp.full((B,), prior, jnp.float32), jnp.arange(B), sampling, keys_B)
     return _commit(s, jnp.pad(first_B[:, None], ((0, 0), (0, D)), constant_values=-1), zeros,
-                   eos_E, max_new_tokens).replace(passes=zeros)
+                   eos_E, max_new_tokens, automaton).replace(passes=zeros)
 
 
 def _drafting(s: _Rows, usable_BMD, N: int):
@@ -177,20 +187,24 @@ def _lookup_missed(s: _Rows, M: int, D: int):
                                    lookup_hindsight(s.hist, s.pos + 1, M, (D + 1) // 2))
 
 
-def _plain_step(params, eos_E, s: _Rows, *, max_new_tokens: int, M: int, D: int) -> _Rows:
+def _plain_step(params, eos_E, automaton, s: _Rows, *, max_new_tokens: int, M: int,
+                D: int) -> _Rows:
     """A lookup round in which no row drafts: generate's decode step, storing the pending
     token's K/V in place (no tree pass, no store afterwards)."""
     pending_B = jnp.take_along_axis(s.hist, s.pos[:, None], axis=1)[:, 0]
     logits_BV, cache = decode_step(params, s.cache, pending_B, s.pos)
-    draw_B1 = _draw(logits_BV[:, None], s.sampling, s.keys, s.answers.length[:, None])
+    step_B1 = s.answers.length[:, None]
+    allowed_B1V = nodes_allowed(automaton, s.answers.state, jnp.zeros((pending_B.shape[0], 0, 0),
+                           jnp.int32), step_B1, eos_E, max_new_tokens, logits_BV.shape[-1])
+    draw_B1 = _draw(logits_BV[:, None], s.sampling, s.keys, step_B1, allowed_B1V)
     s = s.replace(cache=cache,
                   gain=jnp.where(s.answers.done, s.gain, (s.gain + _lookup_missed(s, M, D)) / 2))
     return _commit(s, jnp.pad(draw_B1, ((0, 0), (0, D)), constant_values=-1),
-                   jnp.zeros_like(s.pos), eos_E, max_new_tokens)
+                   jnp.zeros_like(s.pos), eos_E, max_new_tokens, automaton)
 
 
-def _round(params, dparams, eos_E, s: _Rows, *, max_new_tokens: int, capacity: int, M: int,
-           D: int) -> _Rows:
+def _round(params, dparams, eos_E, automaton, s: _Rows, *, max_new_tokens: int, capacity: int,
+           M: int, D: int) -> _Rows:
     """One round: draft, decide, verify in one tree pass, commit. A lookup round runs only when
     some row drafts (else _plain_step); a draft model's may verify the root alone."""
     B = s.pos.shape[0]
@@ -206,19 +220,24 @@ def _round(params, dparams, eos_E, s: _Rows, *, max_new_tokens: int, capacity: i
                                          M, D)
         usable_BMD = jnp.ones((B, M, D), bool)
         drafting_B = _drafting(s, usable_BMD, N)
-    usable_BMD &= drafting_B[:, None, None]
     step_BN = s.answers.length[:, None] + depth_N[None, :]
+    allowed_BNV = nodes_allowed(automaton, s.answers.state, chain_BMD, step_BN, eos_E,
+                           max_new_tokens, params.config.vocab_size)
+    if allowed_BNV is not None:  # a drafted token its constraint forbids is never accepted
+        usable_BMD &= drafts_allowed(allowed_BNV, chain_BMD)
+    usable_BMD &= drafting_B[:, None, None]
     tree_BN = jnp.concatenate([pending_B[:, None], chain_BMD.reshape(B, -1)], axis=1)
 
     def full():
         logits_BNV, kv = tree_pass(params, s.cache, tree_BN, s.pos, np.arange(N), M, D)
-        m_B, a_B, committed_BJ = walk(_draw(logits_BNV, s.sampling, s.keys, step_BN),
-                                      chain_BMD, usable_BMD)
+        m_B, a_B, committed_BJ = walk(_draw(logits_BNV, s.sampling, s.keys, step_BN,
+                                            allowed_BNV), chain_BMD, usable_BMD)
         return m_B, jnp.where(s.answers.done, 0, a_B), committed_BJ, kv
 
     def root_only():  # no row drafts: an ordinary decode step
         logits_B1V, kv = tree_pass(params, s.cache, pending_B[:, None], s.pos, [0], M, D)
-        draw_B1 = _draw(logits_B1V, s.sampling, s.keys, step_BN[:, :1])
+        draw_B1 = _draw(logits_B1V, s.sampling, s.keys, step_BN[:, :1],
+                        None if allowed_BNV is None else allowed_BNV[:, :1])
         zeros_B = jnp.zeros((B,), jnp.int32)
         kv = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, N - 1), (0, 0))), kv)
         return zeros_B, zeros_B, jnp.pad(draw_B1, ((0, 0), (0, D)), constant_values=-1), kv
@@ -238,21 +257,22 @@ def _round(params, dparams, eos_E, s: _Rows, *, max_new_tokens: int, capacity: i
     gain_B = jnp.where(s.answers.done, s.gain, (s.gain + seen_B) / 2)
     s = s.replace(cache=cache, dcache=dcache, gain=gain_B,
                   need_prev=jnp.where(s.answers.done, s.need_prev, a_B == D))
-    return _commit(s, committed_BJ, a_B, eos_E, max_new_tokens)
+    return _commit(s, committed_BJ, a_B, eos_E, max_new_tokens, automaton)
 
 
-def _rounds(params, dparams, eos_E, s: _Rows, smaller: int, *, max_new_tokens: int,
+def _rounds(params, dparams, eos_E, automaton, s: _Rows, smaller: int, *, max_new_tokens: int,
             capacity: int, M: int, D: int) -> _Rows:
     """Rounds while more than `smaller` rows are live. With lookup, plain steps run in a loop
     of their own until some row drafts, then a tree round: the loop holds no conditional, so
     a plain step stores in place as generate's does."""
     options = dict(max_new_tokens=max_new_tokens, M=M, D=D)
-    round_ = functools.partial(_round, params, dparams, eos_E, capacity=capacity, **options)
+    round_ = functools.partial(_round, params, dparams, eos_E, automaton, capacity=capacity,
+                               **options)
     enough = lambda s: jnp.sum(~s.answers.done) > smaller  # noqa: E731
     if dparams is not None:
         return jax.lax.while_loop(enough, round_, s)
     drafts = lambda s: jnp.any(_lookup_drafts(s, M, D)[2])  # noqa: E731
-    plain = functools.partial(_plain_step, params, eos_E, **options)
+    plain = functools.partial(_plain_step, params, eos_E, automaton, **options)
     steps = lambda s: jax.lax.while_loop(lambda s: enough(s) & ~drafts(s), plain, s)  # noqa
     return jax.lax.while_loop(lambda s: enough(s) & drafts(s), lambda s: steps(round_(s)),
                               steps(s))
@@ -280,20 +300,21 @@ def _live_first(s: _Rows, size: int) -> _Rows:
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "M", "Ds",
                                              "kv_dtype", "mesh"))
-def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id, *,
-                      max_new_tokens: int, capacity: int, M: int, Ds: tuple, kv_dtype=None,
-                      mesh=None):
+def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id,
+                      automaton=None, starts_B=None, *, max_new_tokens: int, capacity: int,
+                      M: int, Ds: tuple, kv_dtype=None, mesh=None):
     """Ds: n_draft at each of batch_sizes(B); mesh: the results made whole on every device."""
     count_trace("speculative")
     s = _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_id,
-               max_new_tokens=max_new_tokens, capacity=capacity, M=M, Ds=Ds, kv_dtype=kv_dtype)
+               automaton, starts_B, max_new_tokens=max_new_tokens, capacity=capacity, M=M,
+               Ds=Ds, kv_dtype=kv_dtype)
     sizes = batch_sizes(tokens_BT.shape[0])
     results = (s.answers.tokens, s.answers.length, s.passes, s.accepted)
     for size, smaller, D in zip(sizes, sizes[1:] + (0,), Ds):
         if size < sizes[0]:
             s = _live_first(s, size)
-        s = _rounds(params, dparams, eos_E, s, smaller, max_new_tokens=max_new_tokens,
-                    capacity=capacity, M=M, D=D)
+        s = _rounds(params, dparams, eos_E, automaton, s, smaller,
+                    max_new_tokens=max_new_tokens, capacity=capacity, M=M, D=D)
         results = tuple(x.at[s.row].set(y) for x, y in zip(
             results, (s.answers.tokens, s.answers.length, s.passes, s.accepted)))
     tokens_BN, length_B, passes_B, accepted_B = replicated(results, mesh)
@@ -303,7 +324,7 @@ def _speculative_loop(params, dparams, tokens_BT, lengths_B, sampling, keys_B, e
 def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup", n_draft=None,
                          n_branches=1, temperature=0.0, top_k=None, top_p=None, min_p=None,
                          key=None, eos_id=None, pad_id=None, max_len=None, kv_dtype=None,
-                         mesh=None):
+                         mesh=None, constraint=None):
     """generate's result, in fewer passes of the target: (tokens [B, max_new_tokens], lengths
     [B], Stats).
 
@@ -314,7 +335,9 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
     pass scores 1 + M D tokens and commits 1 to D + 1 of them per row; rows draft only while
     it pays (ROW_COST). Defaults chosen with scripts/bench_speculative.py (SmolLM2 fp32): a
     second branch cost more than it gained (2-core Xeon). Other options as generate's (mesh
-    included); tokens and lengths equal generate's (greedy, and sampled with the same key).
+    included, constraint too: each node's draw masked by its row's automaton there, drafted
+    tokens it forbids never accepted); tokens and lengths equal generate's (greedy, and sampled
+    with the same key).
     """
     c = params.config
     checks.linear_decoder(c, "speculative_generate")
@@ -339,8 +362,10 @@ def speculative_generate(params, prompts, max_new_tokens: int, *, draft="lookup"
     if check_mesh(mesh) is not None:
         params, per_row = shard_params(params, mesh), shard_rows(per_row, mesh)
         dparams = dparams if dparams is None else shard_params(dparams, mesh)
+    automaton = (None, None) if constraint is None else constraints.for_rows(
+        constraint, B, c.vocab_size, bool(eos_E[0] >= 0), max_new_tokens)
     return _speculative_loop(params, dparams, *per_row, eos_E,
-                             jnp.int32(pad_value(c, pad_id, eos_id, eos_E)),
+                             jnp.int32(pad_value(c, pad_id, eos_id, eos_E)), *automaton,
                              max_new_tokens=max_new_tokens, capacity=capacity, M=M, Ds=Ds,
                              kv_dtype=kv_dtype, mesh=mesh)
 
