@@ -72,8 +72,9 @@ def decoded(tok, tokens, lengths, eos=None):
 @pytest.mark.parametrize("kind", ["regex", "choice", "json_schema", "json"])
 @pytest.mark.parametrize("eos", [None, EOS])
 def test_every_sampled_answer_is_accepted(params, tok, kind, eos):
-    """1,024 answers at temperature 1.5 (2,048 a kind), with and without an end id (where the automaton
-    accepts, the model may end; without one the row ends on accepting), each accepted: by
+    """1,024 answers at temperature 1.5 (2,048 a kind), with and without an end id (where the
+    automaton accepts, the model may end; without one the row ends on accepting), each
+    accepted: by
     Python's re, by set membership, by json.loads and the schema's keys and types."""
     constraint, accepts = kinds(tok)[kind]
     budget = 24 if kind.startswith("json") else 12

@@ -67,12 +67,12 @@ def iter_many(params, prompts: Iterable, max_new_tokens, *, batch_size: int = 16
     row serves it, and a list of prompts needs exactly one each. logprobs=k: each answer is a
     Scored (ids, each token's log-probability under the model's own distribution, the k
     likeliest tokens with theirs) instead of its ids. constraint: a jaxkv.constraints automaton
-    for every prompt, or one (or None) per prompt (see generate). hooks (a jaxkv.Hooks): its edits apply
-    to every pass, and each answer comes as (answer, acts), acts {site: [L', T, D]} (attn_probs
-    [L', N, T, capacity]) numpy arrays of the prompt's and answer's positions 0..T-1 (T = prompt
-    + answer - 1: the last token drawn is never passed through); a cached prefix holds no
-    captures, so capturing turns prefix_cache off. name_of(i): how errors name prompt i
-    (default: prompts[i]).
+    for every prompt, or one (or None) per prompt (see generate). hooks (a jaxkv.Hooks): its
+    edits apply to every pass, and each answer comes as (answer, acts), acts {site: [L', T, D]}
+    (attn_probs [L', N, T, capacity]) numpy arrays of the prompt's and answer's positions
+    0..T-1 (T = prompt + answer - 1: the last token drawn is never passed through); a cached
+    prefix holds no captures, so capturing turns prefix_cache off. name_of(i): how errors name
+    prompt i (default: prompts[i]).
 
     Nothing finished is lost: a list of prompts is checked whole before anything is computed;
     an iterable that fails at item i (the item itself, or the source) stops the admissions,

@@ -313,12 +313,15 @@ def for_rows(constraint, batch_size: int, vocab_size: int, has_end: bool,
 def per_prompt(constraint, count: int | None) -> list:
     """constraint as one (or None) per prompt: a list or tuple is that already (count of them,
     where known); a Constraint or None is every prompt's."""
-    if isinstance(constraint, (list, tuple)):
-        if count is not None and len(constraint) != count:
-            raise ValueError(f"constraint: one per prompt expected ({count}), got "
-                             f"{len(constraint)}")
-        return list(constraint)
-    return [constraint] * (count or 1)
+    per = list(constraint) if isinstance(constraint, (list, tuple)) else [constraint] * (
+        count or 1)
+    if isinstance(constraint, (list, tuple)) and count is not None and len(per) != count:
+        raise ValueError(f"constraint: one per prompt expected ({count}), got {len(per)}")
+    for i, c in enumerate(per):
+        if c is not None and not isinstance(c, Constraint):
+            raise TypeError(f"constraint of prompt {i}: expected a jaxkv.constraints Regex / "
+                            f"Choice / JsonSchema / Json, got {type(c).__name__}")
+    return per
 
 
 def check(c, name: str, vocab_size: int, max_new_tokens: int):
@@ -326,9 +329,6 @@ def check(c, name: str, vocab_size: int, max_new_tokens: int):
     errors name the prompt (name)."""
     if c is None:
         return
-    if not isinstance(c, Constraint):
-        raise TypeError(f"constraint of {name}: expected a jaxkv.constraints Regex / Choice / "
-                        f"JsonSchema / Json, got {type(c).__name__}")
     if c.vocab_size > vocab_size:
         raise ValueError(f"constraint of {name} ({c.description}): built for a tokenizer of "
                          f"{c.vocab_size} ids, the model has {vocab_size}")

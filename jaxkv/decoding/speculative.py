@@ -154,8 +154,9 @@ def _start(params, dparams, tokens_BT, lengths_B, sampling, keys_B, eos_E, pad_i
         _, dcache = prefill_padded(dparams, init_cache(dparams, B, capacity, kv_dtype),
                                    tokens_BT, lengths_B, start_B)
     step_B1 = jnp.zeros((B, 1), jnp.int32)
-    allowed_B1V = nodes_allowed(automaton, starts_B, jnp.zeros((B, 0, 0), jnp.int32), step_B1, eos_E,
-                           max_new_tokens, logits_BV.shape[-1])
+    no_chains = jnp.zeros((B, 0, 0), jnp.int32)
+    allowed_B1V = nodes_allowed(automaton, starts_B, no_chains, step_B1, eos_E, max_new_tokens,
+                                logits_BV.shape[-1])
     first_B = _draw(logits_BV[:, None], sampling, keys_B, step_B1, allowed_B1V)[:, 0]
     hist = jnp.zeros((B, capacity), jnp.int32).at[:, :T].set(tokens_BT)
     zeros = jnp.zeros((B,), jnp.int32)
@@ -194,8 +195,9 @@ def _plain_step(params, eos_E, automaton, s: _Rows, *, max_new_tokens: int, M: i
     pending_B = jnp.take_along_axis(s.hist, s.pos[:, None], axis=1)[:, 0]
     logits_BV, cache = decode_step(params, s.cache, pending_B, s.pos)
     step_B1 = s.answers.length[:, None]
-    allowed_B1V = nodes_allowed(automaton, s.answers.state, jnp.zeros((pending_B.shape[0], 0, 0),
-                           jnp.int32), step_B1, eos_E, max_new_tokens, logits_BV.shape[-1])
+    no_chains = jnp.zeros((pending_B.shape[0], 0, 0), jnp.int32)
+    allowed_B1V = nodes_allowed(automaton, s.answers.state, no_chains, step_B1, eos_E,
+                                max_new_tokens, logits_BV.shape[-1])
     draw_B1 = _draw(logits_BV[:, None], s.sampling, s.keys, step_B1, allowed_B1V)
     s = s.replace(cache=cache,
                   gain=jnp.where(s.answers.done, s.gain, (s.gain + _lookup_missed(s, M, D)) / 2))
@@ -222,7 +224,7 @@ def _round(params, dparams, eos_E, automaton, s: _Rows, *, max_new_tokens: int, 
         drafting_B = _drafting(s, usable_BMD, N)
     step_BN = s.answers.length[:, None] + depth_N[None, :]
     allowed_BNV = nodes_allowed(automaton, s.answers.state, chain_BMD, step_BN, eos_E,
-                           max_new_tokens, params.config.vocab_size)
+                                max_new_tokens, params.config.vocab_size)
     if allowed_BNV is not None:  # a drafted token its constraint forbids is never accepted
         usable_BMD &= drafts_allowed(allowed_BNV, chain_BMD)
     usable_BMD &= drafting_B[:, None, None]

@@ -7,7 +7,8 @@ which ids its file holds.
 
 Input lines: {"prompt": text, "id": optional (default: the line number, from 1),
 "max_new_tokens": optional, and at most one of "regex": a pattern, "choices": a list of strings,
-"json_schema": a schema (an object, or {} for any JSON): the answer's form (jaxkv.constraints)}. Output lines: {"id", "completion", "tokens", "options"} (tokens:
+"json_schema": a schema (an object, or {} for any JSON): the answer's form (jaxkv.constraints)}.
+Output lines: {"id", "completion", "tokens", "options"} (tokens:
 how many the answer drew, a stop token included; options: what the answer was drawn with beyond
 its request, which a resumed job must repeat); with logprobs=k also "logprobs": per token drawn,
 its {"token" (its text), "id", "logprob"} and "top": the k likeliest as {"token", "id",
