@@ -9,9 +9,10 @@ for a heading's later blocks. The working directory is the repository root; a bl
 8 host devices sets XLA_FLAGS itself before importing jax. The processes run with
 JAX_PLATFORMS=cpu, so that the mesh example finds its 8 simulated devices on a machine with an
 accelerator too. Nothing in the code is substituted: the examples are written small enough to
-run as they are. Non-python fences (bash, text, yaml) are not run. All blocks start at once:
-most of their time is compiling, which keeps one core busy each; each loads its model, so the
-docs keep their examples few.
+run as they are. Non-python fences (bash, text, yaml) are not run. Blocks run WINDOW at a time,
+in the order the tests ask for them (most of their time is compiling, one core each; all of
+them at once ran a 24 GiB machine out of memory: the mesh example alone holds 7 GB); each loads
+its model, so the docs keep their examples few.
 """
 
 import glob
@@ -66,20 +67,39 @@ BLOCKS = all_blocks()
 RUN = sorted(set(BLOCKS) - SIGNATURES)
 
 
-@pytest.fixture(scope="module")
-def processes(tmp_path_factory):
-    """{block: (process, stdout file, stderr file)} for every block, all started at once."""
-    folder = tmp_path_factory.mktemp("readme")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
-    started = {}
-    for i, block in enumerate(RUN):
-        script, out, err = (folder / f"block{i}{ext}" for ext in (".py", ".out", ".err"))
+WINDOW = 4  # blocks running at once
+
+
+class Blocks:
+    """Each block's process, started in RUN's order, at most WINDOW ahead of the one waited
+    for: blocks[name] -> (process, stdout file, stderr file)."""
+
+    def __init__(self, folder):
+        self.folder, self.started = folder, {}
+        self.env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+
+    def __getitem__(self, block):
+        for ahead in RUN[: RUN.index(block) + WINDOW]:
+            if ahead not in self.started:
+                self.start(ahead)
+        return self.started[block]
+
+    def start(self, block):
+        i = RUN.index(block)
+        script, out, err = (self.folder / f"block{i}{ext}" for ext in (".py", ".out", ".err"))
         script.write_text(BLOCKS[block])
         with open(out, "w") as stdout, open(err, "w") as stderr:
-            started[block] = (subprocess.Popen([sys.executable, str(script)], cwd=ROOT,
-                                               env=env, stdout=stdout, stderr=stderr), out, err)
-    yield started
-    for process, _, _ in started.values():
+            self.started[block] = (subprocess.Popen([sys.executable, str(script)], cwd=ROOT,
+                                                    env=self.env, stdout=stdout, stderr=stderr),
+                                   out, err)
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory):
+    """The blocks' processes (Blocks), those left running killed at the end."""
+    blocks = Blocks(tmp_path_factory.mktemp("readme"))
+    yield blocks
+    for process, _, _ in blocks.started.values():
         if process.poll() is None:
             process.kill()
             process.wait()
