@@ -3,6 +3,7 @@ Pallas kernel form and a tiny model's programs, for an H100 and a TPU v5e, throu
 backend. A kernel that does not compile there fails here. Needs the CUDA plugin and libtpu (the
 test extra installs both); nothing runs, only XLA's and Mosaic's / Triton's compilers."""
 
+import functools
 import os
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from compile_targets import Case, abstract_params, compile_one, programs, step_counts
+import jaxkv
 from jaxkv import ops
 from jaxkv.ops.arrays import Int8KV, PagedKV
 from jaxkv.ops.pallas import mosaic_gpu
@@ -129,6 +131,32 @@ def test_a_mixture_of_experts_compiles(target):
         compiled, *_ = compile_one(fn, args, donate, device)
         if name == "decode_step":
             assert step_counts(compiled.as_text(), ops.platform_of(device))["host_syncs"] == 0
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_constrained_generate_adds_no_host_round_trip(target):
+    """generate's loop with a regular expression's automaton (one row free) compiles for target,
+    and its loop's step makes no more host syncs than the plain loop's: the mask and the
+    automaton's step run on the device."""
+    from jaxkv.decoding import generate
+    from tests.conftest import char_tokenizer
+
+    device = target_devices(target)[0]
+    case = Case("tiny", batch=2, context=64)
+    regex = jaxkv.constraints.Regex("[0-9]{2,8}(-[a-c]+)?", char_tokenizer(97))
+    counts = {}
+    with ops.on(device):
+        params = abstract_params(case)
+    for name, constraint in (("plain", None), ("constrained", [regex, None])):
+        with ops.on(jax.devices("cpu")[0]):  # its checks run eagerly, on the host
+            args, static = generate.generate_args(params, [[1] * 16] * 2, 32,
+                                                  constraint=constraint)
+        fn = functools.partial(generate.generate_loop, **static)
+        compiled, *_ = compile_one(fn, jax.eval_shape(lambda: args), (), device)
+        counts[name] = step_counts(compiled.as_text(), ops.platform_of(device), looped=True)
+    print(target, {k: (v["host_syncs"], v["kernels"]) for k, v in counts.items()})
+    assert counts["constrained"]["host_syncs"] == counts["plain"]["host_syncs"], counts
+    assert counts["constrained"]["callbacks"] == 0
 
 
 PRODUCTS = {  # name: (rows, dtype, options of products.product)
