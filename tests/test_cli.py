@@ -422,3 +422,29 @@ def test_time_is_counted_from_the_process_start():
 
     since_import = time.perf_counter() - report.IMPORTED
     assert report.since_start() > since_import
+
+
+def test_the_answers_form_from_flags(tiny_model_dir, tmp_path, capsys):
+    """--choices for one prompt; --json-schema (a file) for a JSONL job's lines that give no
+    form of their own (a line's own "regex" kept); a resumed job with another form is refused;
+    a schema that is no JSON is one line, before the model loads."""
+    cli.main(["generate", "Hello", "--model", str(tiny_model_dir), "--no-chat",
+              "--max-new-tokens", "6", "--choices", "yes", "no", "--temperature", "1.0"])
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
+                                  "required": ["n"]}))
+    requests = tmp_path / "in.jsonl"
+    requests.write_text(json.dumps({"prompt": "a"}) + "\n" +
+                        json.dumps({"prompt": "b", "regex": "[xyz]{3}"}) + "\n")
+    argv = ["generate", "--model", str(tiny_model_dir), "--input", str(requests), "--output",
+            str(tmp_path / "out.jsonl"), "--max-new-tokens", "12", "--no-chat"]
+    cli.main(argv + ["--json-schema", str(schema)])
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    got = {r["id"]: r["completion"] for r in lines}
+    assert isinstance(json.loads(got[1])["n"], int) and re.fullmatch("[xyz]{3}", got[2])
+    assert lines[0]["options"]["form"]["json_schema"]["required"] == ["n"]
+    requests.write_text(requests.read_text() + json.dumps({"prompt": "c"}) + "\n")
+    assert re.search("answered with form .* but this job has form unset", refused(argv))
+    assert refused(["generate", "x", "--model", str(tmp_path / "absent"), "--json-schema",
+                    "{not json"]).startswith("jaxkv: --json-schema {not json: neither a file")

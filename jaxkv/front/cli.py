@@ -47,6 +47,10 @@ def check_generate_args(args) -> None:
     for refused, message in refusals:
         if refused:
             raise ValueError(message)
+    if getattr(args, "json_schema", None) is not None:  # (read as JSON before the model loads)
+        from jaxkv.front import jsonl
+
+        jsonl.form_of(args)
 
 
 def check_exists(path: str | None, what: str) -> None:
@@ -214,8 +218,11 @@ def stream_answer(args, params, tokenizer, ids, load_s=0.0) -> list[int]:
     from jaxkv.decoding.prompts import cache_capacity
     from jaxkv.front.stream import Text
 
+    from jaxkv.front import jsonl
+
     ends = list(params.config.end_ids)
     check_memory(params, 1, cache_capacity(params.config, [ids], args.max_new_tokens))
+    constraint = jsonl.constraint_of(jsonl.form_of(args), tokenizer, "jaxkv generate")
     status(f"compiling (or reading the compile cache) and prefilling {len(ids)} tokens")
     text, answer, first = Text(tokenizer, ends, args.stop), [], None
     began = time.perf_counter()
@@ -223,7 +230,7 @@ def stream_answer(args, params, tokenizer, ids, load_s=0.0) -> list[int]:
         with Compiles() as compiles:
             for new in iter_tokens(params, ids, args.max_new_tokens, eos_id=ends or None,
                                    stop=args.stop or None, tokenizer=tokenizer,
-                                   **sampling_options(args)):
+                                   constraint=constraint, **sampling_options(args)):
                 first = first if answer else (time.perf_counter(), since_start())
                 answer += new
                 show(text.add(new))

@@ -106,6 +106,14 @@ def parser() -> argparse.ArgumentParser:
                      help="(--input) write each token's log-probability and the K likeliest")
     gen.add_argument("--no-prefix-cache", action="store_true",
                      help="(--input) compute every prompt whole, even where prompts begin alike")
+    form = gen.add_mutually_exclusive_group()
+    form.add_argument("--regex", metavar="PATTERN", help="answers match this regular expression "
+                      "(with --input: the lines that give no form of their own)")
+    form.add_argument("--choices", nargs="+", metavar="TEXT",
+                      help="answers are exactly one of these")
+    form.add_argument("--json-schema", metavar="FILE|JSON",
+                      help="answers are JSON this schema accepts: a file, or the schema ('{}': "
+                           "any JSON)")
     add_process_flags(gen)
     chat = sub.add_parser("chat", formatter_class=defaults,
                           help="an interactive conversation whose KV cache is kept between turns")

@@ -81,12 +81,13 @@ def _request(line: str, where: str) -> dict:
     return request
 
 
-def _constraint(request: dict, tokenizer, where: str, built: dict):
-    """The request's constraint (None without one), built once per distinct form (built: those
-    so far); a bad one is an error naming its line."""
+def constraint_of(request: dict, tokenizer, where: str, built: dict | None = None):
+    """The constraint of a request's (or a job's) form (None without one), built once per
+    distinct form (built: those so far); a bad one is an error naming where it came from."""
     form = next((k for k in FORMS if k in request), None)
     if form is None:
         return None
+    built = {} if built is None else built
     key = json.dumps([form, request[form]], sort_keys=True)
     if key not in built:
         make = {"regex": constraints.Regex, "choices": constraints.Choice,
@@ -104,11 +105,13 @@ RECORDED = dict(temperature=0.0, top_k=None, top_p=None, min_p=None, repetition_
                 logprobs=None)
 
 
-def record_of(max_new_tokens: int, stop, seed: int, about: dict | None, options: dict) -> dict:
+def record_of(max_new_tokens: int, stop, seed: int, about: dict | None, options: dict,
+              form: dict | None = None) -> dict:
     """The "options" of each answer: about (the caller's: the model, its dtype ...), the budget,
-    the stops, the seed, then the sampling options and logprobs; those not set left out."""
+    the stops, the seed, the job's form (if any), then the sampling options and logprobs;
+    those not set left out."""
     record = dict(about or {}, max_new_tokens=max_new_tokens, stop=stops.texts_of(stop),
-                  seed=seed)
+                  seed=seed, form=form or None)
     record.update((k, options.get(k, default)) for k, default in RECORDED.items())
     return json.loads(json.dumps({k: v for k, v in record.items() if v is not None}))
 
@@ -150,20 +153,21 @@ def _same_options(found: dict, record: dict, where: str):
 
 
 def check_job(input_path: str, output_path: str, max_new_tokens: int, *, stop=(),
-              seed: int = 0, about: dict | None = None, **options) -> tuple[int, int]:
+              seed: int = 0, about: dict | None = None, form: dict | None = None,
+              **options) -> tuple[int, int]:
     """What answer_file (given the same arguments) checks before it needs a model: the paths,
     every request, and the options of the answers output_path holds (the file left as it is).
     Returns (how many requests, how many of them output_path answers)."""
     check_paths(input_path, output_path)
     requests = read_requests(input_path)
-    record = record_of(max_new_tokens, stop, seed, about, options)
+    record = record_of(max_new_tokens, stop, seed, about, options, form)
     done = answered_ids(output_path, record, cut=False)
     return len(requests), sum(json.dumps(r["id"]) in done for r in requests)
 
 
 def answer_file(params, tokenizer, encode, input_path: str, output_path: str,
                 max_new_tokens: int, *, stop_ids=(), stop=(), seed: int = 0,
-                about: dict | None = None, **options) -> int:
+                about: dict | None = None, form: dict | None = None, **options) -> int:
     """Answers every request of input_path not yet in output_path, appending each answer as
     its prompt ends (one whole line, flushed). encode(text) -> ids makes a prompt; options go
     to iter_many (batch_size, sampling, progress). An answer ends at a stop id or a stop
@@ -172,9 +176,10 @@ def answer_file(params, tokenizer, encode, input_path: str, output_path: str,
     options (about: the caller's own, such as the model) must be those the output's answers
     record. Returns how many it answered; interrupted (KeyboardInterrupt), it says how many the
     output holds. Across processes (options' mesh spanning them) only process 0 opens
-    output_path."""
+    output_path. form: the answers' form where a request gives none ({"regex": ...},
+    {"choices": [...]} or {"json_schema": ...}; recorded)."""
     stop = stops.texts_of(stop)
-    record = record_of(max_new_tokens, stop, seed, about, options)
+    record = record_of(max_new_tokens, stop, seed, about, options, form)
     check_paths(input_path, output_path)
     requests = read_requests(input_path)
     writer = jax.process_index() == 0
@@ -185,7 +190,7 @@ def answer_file(params, tokenizer, encode, input_path: str, output_path: str,
         written = 0
         try:
             for line in _answer_lines(params, tokenizer, encode, pending, input_path,
-                                      max_new_tokens, stop_ids, stop, seed, options):
+                                      max_new_tokens, stop_ids, stop, seed, options, form):
                 if out is not None:
                     out.write(json.dumps(dict(line, options=record), ensure_ascii=False) + "\n")
                     out.flush()
@@ -204,7 +209,28 @@ def flag_options(args, model: str) -> dict:
     return dict(stop=args.stop, seed=args.seed, logprobs=args.logprobs,
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                about=dict(model=os.path.abspath(model), dtype=args.dtype, chat=not args.no_chat))
+                about=dict(model=os.path.abspath(model), dtype=args.dtype, chat=not args.no_chat),
+                form=form_of(args))
+
+
+def form_of(args) -> dict:
+    """The answers' form from --regex, --choices or --json-schema (a file, or the schema as
+    JSON text): {} without one."""
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choices:
+        return {"choices": args.choices}
+    if args.json_schema is None:
+        return {}
+    text = args.json_schema
+    if os.path.isfile(text):
+        with open(text, encoding="utf-8") as f:
+            text = f.read()
+    try:
+        return {"json_schema": json.loads(text)}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-schema {args.json_schema[:60]}: neither a file nor a JSON "
+                         f"schema ({e.msg})") from None
 
 
 def check_paths(input_path: str, output_path: str):
@@ -267,14 +293,15 @@ def _pending(requests: list[dict], output_path: str | None, input_path: str,
 
 
 def _answer_lines(params, tokenizer, encode, pending, input_path, max_new_tokens, stop_ids,
-                  stop, seed, options) -> Iterator[dict]:
+                  stop, seed, options, form=None) -> Iterator[dict]:
     """Each pending request's answer line as its prompt ends: {"id", "completion", "tokens"}
     (and "logprobs" with options' logprobs). An error about a prompt names its file and line."""
     prompts = [_encoded(encode, r, input_path) for r in pending]
     if not pending:
         return
     built = {}
-    forms = [_constraint(r, tokenizer, f"{input_path}:{r['line']}", built) for r in pending]
+    forms = [constraint_of(r if any(k in r for k in FORMS) else form or {}, tokenizer,
+                           f"{input_path}:{r['line']}", built) for r in pending]
     if any(f is not None for f in forms):
         options = dict(options, constraint=forms)
     answers = iter_many(params, prompts, [r.get("max_new_tokens", max_new_tokens) for r in pending],
