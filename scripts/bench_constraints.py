@@ -3,9 +3,9 @@ and without a JSON schema's automaton (mask the logits with the row's state, adv
 same number of steps in one compiled loop each, SmolLM2-135M-Instruct at batch 16; and what
 the constraint costs to build (cold, then from the disk cache) and to hold.
 
-    python scripts/bench_constraints.py [--batch 16] [--steps 32] [--repeats 5] [--out DIR]
+    python scripts/bench_constraints.py [--batch 16] [--steps 64] [--repeats 5] [--out PATH]
 
-Writes bench_constraints.json: step ms plain / constrained (best of repeats, alternating) and
+Writes PATH.json (default results/<machine>/bench_constraints.json): step ms plain / constrained (best of repeats, alternating) and
 their ratio."""
 
 import argparse
@@ -105,9 +105,9 @@ def main():
         sample_answer=texts[0][:200])
     print(json.dumps(result, indent=1))
     assert warm.build_seconds == 0
-    out_dir = args.out or results_dir()
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_constraints.json"), "w") as f:
+    out = args.out or os.path.join(results_dir(), "bench_constraints")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json", "w") as f:
         json.dump(result, f, indent=1)
 
 

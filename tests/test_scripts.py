@@ -26,6 +26,9 @@ RUNS = {
     "bench_quality": ["--tokens", "64", "--window", "32", "--formats", "fp32", "int8-kv",
                       "llama.cpp-Q8_0"],
     "bench_hooks": ["--new-tokens", "4", "--repeats", "1"],
+    "bench_constraints": ["--batch", "2", "--steps", "2", "--repeats", "1"],
+    "bench_moe": ["--d-model", "64", "--layers", "1", "--experts", "4", "--top-k", "2",
+                  "--expert-ff", "32", "--steps", "2", "--repeats", "1"],
     "bench_speculative": ["--prompts", "1", "--kinds", "grounded", "--batches", "1",
                           "--new-tokens", "4", "--trees", "defaultx1", "--no-draft", "--repeats",
                           "1"],
@@ -73,6 +76,12 @@ def test_script_runs(script, tmp_path):
         return
     if script == "bench_hooks":  # one ratio, not a plot
         assert math.isfinite(result["hooks_over_plain"]) and result["captured_mib"] > 0
+        return
+    if script == "bench_moe":  # ratios, not a plot (tiny sizes: no bound on them)
+        assert math.isfinite(result["moe_over_dense_active"]) and result["step_ms"]["moe"] > 0
+        return
+    if script == "bench_constraints":  # one ratio and the schema's sizes, not a plot
+        assert math.isfinite(result["constrained_over_plain"]) and result["table_mib"] > 0
         return
     if script == "check_int8_hlo":  # a check, not a benchmark: no plot
         assert result["rows"] and not result["rows"][0]["loop_copies"]
