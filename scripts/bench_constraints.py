@@ -5,8 +5,8 @@ the constraint costs to build (cold, then from the disk cache) and to hold.
 
     python scripts/bench_constraints.py [--batch 16] [--steps 64] [--repeats 5] [--out PATH]
 
-Writes PATH.json (default results/<machine>/bench_constraints.json): step ms plain / constrained (best of repeats, alternating) and
-their ratio."""
+Writes PATH.json (default results/<machine>/bench_constraints.json): step ms plain /
+constrained (best of repeats, alternating) and their ratio."""
 
 import argparse
 import json
