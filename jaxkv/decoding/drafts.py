@@ -203,8 +203,8 @@ def nodes_allowed(automaton, state_B, chain_BMD, step_BN, eos_E, max_new_tokens:
     for d in range(D):  # chain m's node d: its state after the chain's tokens 0..d
         state_X, _ = constraints.advance(automaton, state_X, chain_BMD[:, :, d].reshape(-1))
         states.append(state_X.reshape(B, M))
-    state_BN = jnp.concatenate([states[0], *(jnp.stack(states[1:], 2).reshape(B, -1)
-                                             for _ in range(D > 0))], 1)
+    chains = [jnp.stack(states[1:], 2).reshape(B, -1)] if D else []  # (none: the root alone)
+    state_BN = jnp.concatenate([states[0], *chains], 1)
     left_X = (max_new_tokens - step_BN).reshape(-1)
     return constraints.allowed(automaton, state_BN.reshape(-1), left_X, eos_E, V).reshape(
         B, -1, V)
