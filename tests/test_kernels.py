@@ -239,6 +239,89 @@ NARROW = ("product_equals or rows_equals or tails or in_flight or splits or 3_ti
           "(paged_cache and (decode_3_queries or int8))")
 
 
+# ---- a mixture's experts ------------------------------------------------------------------
+
+EXPERT_FORMATS = {  # name: (x dtype, weights of a stack [E, O, I] from float32 ones)
+    "float32": (jnp.float32, lambda w: w),
+    "bfloat16": (jnp.float32, lambda w: w.astype(jnp.bfloat16)),
+    "bfloat16_rows": (jnp.bfloat16, lambda w: w.astype(jnp.bfloat16)),
+    "int8": (jnp.float32, lambda w: quantize_matrix(w)),
+    "int8_blocks": (jnp.float32, lambda w: quantize_matrix(w, 16)),
+}
+
+
+def expert_product(x_XI, w_EOI, e_X):
+    """The kernels' product of each row with its own expert's matrix, float or Int8."""
+    if isinstance(w_EOI, jaxkv.ops.Int8):
+        return jax.jit(kernels.expert_product_int8)(x_XI, w_EOI.q, w_EOI.scale, e_X)
+    return jax.jit(kernels.expert_product)(x_XI, w_EOI, e_X)
+
+
+@pytest.mark.parametrize("form", list(EXPERT_FORMATS))
+@pytest.mark.parametrize("X", [1, 5, 24])
+def test_expert_product_equals_float64(form, X):
+    """Row j times expert e[j]'s matrix of the stack, in every weight format the product
+    kernels take: rows that chose the same expert are gathered for one read of it (5 rows over
+    3 experts, 24 over 3 with 4 in the stack, expert 1 never chosen), and each comes back to its
+    own place; 37 outputs and 80 inputs leave tails."""
+    x_dtype, make = EXPERT_FORMATS[form]
+    E, O, I = 4, 37, 80
+    x_XI = jax.random.normal(jax.random.key(0), (X, I)).astype(x_dtype)
+    w_EOI = make(jax.random.normal(jax.random.key(1), (E, O, I)))
+    e_X = jnp.asarray(np.random.default_rng(X).choice([0, 2, 3], X), jnp.int32)
+    y_XO = expert_product(x_XI, w_EOI, e_X)
+    w = (dequantize_rows(w_EOI.q, w_EOI.scale) if isinstance(w_EOI, jaxkv.ops.Int8)
+         else w_EOI.astype(jnp.float32))
+    want = np.stack([reference(x_XI[j:j + 1].astype(jnp.float32), w[e])[0]
+                     for j, e in enumerate(np.asarray(e_X))])
+    assert y_XO.dtype == jnp.float32 and y_XO.shape == (X, O)
+    np.testing.assert_allclose(y_XO, want, atol=2e-5 * I, rtol=1e-5)
+
+
+@on_the_cpu
+def test_an_expert_out_of_the_stack_is_refused():
+    """The kernel names an index past the stack rather than read outside it."""
+    with pytest.raises(Exception, match="expert index is out of range"):
+        expert_product(jnp.ones((2, 16)), jnp.ones((3, 8, 16)), jnp.asarray([0, 3], jnp.int32))
+
+
+def test_expert_product_gradients_and_other_platforms():
+    """Derivatives are the plain per-row products' (x and a float stack; x for int8); a GPU or
+    TPU lowers the plain products, with no call to the kernels."""
+    x_XI = jax.random.normal(jax.random.key(0), (3, 32))
+    w_EOI = jax.random.normal(jax.random.key(1), (4, 16, 32))
+    e_X = jnp.asarray([2, 0, 2], jnp.int32)
+    plain = lambda x, w: jnp.einsum("XI,XOI->XO", x, w[e_X])  # noqa: E731
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))  # noqa: E731
+    grad = lambda f: jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x_XI, w_EOI)  # noqa: E731
+    for got, want in zip(grad(lambda x, w: kernels.expert_product(x, w, e_X)), grad(plain)):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+    w8 = quantize_matrix(w_EOI)
+    dx = jax.grad(lambda x: jnp.sum(jnp.sin(kernels.expert_product_int8(x, w8.q, w8.scale,
+                                                                        e_X))))(x_XI)
+    want = jax.grad(lambda x: jnp.sum(jnp.sin(plain(x, dequantize_rows(w8.q, w8.scale)))))(x_XI)
+    np.testing.assert_allclose(dx, want, atol=1e-4, rtol=1e-5)
+    traced = jax.jit(kernels.expert_product).trace(x_XI, w_EOI, e_X)
+    for platform_name in ("cuda", "tpu"):
+        assert "jaxkv_dense" not in traced.lower(lowering_platforms=(platform_name,)).as_text()
+
+
+@on_the_cpu
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_mixtures_decode_step_reads_its_experts_in_the_kernel(dtype):
+    """A MoE decode step hands each layer's expert stacks whole to the kernel (two calls a
+    layer, no slice of them), and still equals the forward."""
+    config = jaxkv.Config.llama(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                d_ff=16, n_experts=4, experts_per_token=2, max_seq_len=32)
+    params = jaxkv.init_params(config, jax.random.key(0))
+    params = jaxkv.quantize(params) if dtype == "int8" else params
+    cache = jaxkv.init_cache(params, 2, 16)
+    step = jax.jit(jaxkv.decode_step).lower(params, cache, jnp.zeros(2, jnp.int32),
+                                            jnp.zeros(2, jnp.int32)).as_text()
+    assert step.count("_experts(") == 2 * config.n_layers
+    assert_decode_equals_forward(params, random_tokens(0, (2, 9), 64), 4, 16, atol=1e-4)
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the narrower builds named are x86's")
 @pytest.mark.parametrize("march", os.environ.get("JAXKV_TEST_MARCHES", "x86-64").split(","))
 def test_narrower_builds_are_exact(march):

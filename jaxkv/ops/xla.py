@@ -117,8 +117,17 @@ def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation: str):
                                 for j in range(R * K)])
     else:
         y_XD = _expert_tiles(x_XD, e_X, w_in_EOD, w_out_EDF, activation)
-    y_RKD = y_XD.reshape(R, K, D) * weight_RK[..., None].astype(y_XD.dtype)
-    return y_RKD.sum(1)
+    return weighted_sum(y_XD.reshape(R, K, D), weight_RK)
+
+
+def weighted_sum(y_RKD, weight_RK):
+    """Each row's experts' outputs [R, K, D] summed with the router's weights: [R, D]."""
+    return (y_RKD * weight_RK[..., None].astype(y_RKD.dtype)).sum(1)
+
+
+def expert_gated(h_XO, activation: str):
+    """act(gate) * up [X, F] of an expert's first product [X, 2F] (its F gate rows, then up)."""
+    return gated(h_XO, activation, h_XO.shape[-1] // 2)
 
 
 def _expert(w_EOI, e):
@@ -136,9 +145,7 @@ def _product(x_XI, w_OI):
 
 def _expert_mlp(x_XD, w_in_OD, w_out_DF, activation):
     """Rows x through one expert's gated MLP (its weights float or Int8)."""
-    h_XO = _product(x_XD, w_in_OD)
-    F = h_XO.shape[1] // 2
-    a_XF = (ACTIVATIONS[activation](h_XO[:, :F]) * h_XO[:, F:]).astype(x_XD.dtype)
+    a_XF = expert_gated(_product(x_XD, w_in_OD), activation).astype(x_XD.dtype)
     return _product(a_XF, w_out_DF).astype(x_XD.dtype)
 
 

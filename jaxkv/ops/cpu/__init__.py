@@ -81,6 +81,35 @@ def _row_product(x_I, w: Int8):
     return (x_1I @ dequantize_rows(w.q, w.scale.astype(jnp.float32)).T)[0]
 
 
+def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation: str):
+    """jaxkv.ops.experts: a decode step's few rows (each once per expert it chose, up to the
+    kernels' rows) go to the kernels with the whole expert stacks and each row's expert: the
+    chosen experts' weights are read where they lie, once however many rows chose them (XLA's
+    form copies each row's expert out, then reads the copy). More rows: XLA's grouped form."""
+    R, K = expert_RK.shape
+    if not _experts_take(R * K, w_in_EOD):
+        return xla.experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation)
+    e_X = expert_RK.reshape(R * K).astype(jnp.int32)
+    h_XO = _expert_product(jnp.repeat(x_RD, K, axis=0), w_in_EOD, e_X)
+    a_XF = xla.expert_gated(h_XO, activation).astype(x_RD.dtype)
+    y_XD = _expert_product(a_XF, w_out_EDF, e_X).astype(x_RD.dtype)
+    return xla.weighted_sum(y_XD.reshape(R, K, -1), weight_RK)
+
+
+def _experts_take(rows: int, w_EOI) -> bool:
+    if isinstance(w_EOI, Int8):
+        return kernels.fits(rows, jnp.int8) and kernels.int8_fits(w_EOI.q[0], w_EOI.scale[0])
+    return kernels.fits(rows, w_EOI.dtype)
+
+
+def _expert_product(x_XI, w_EOI, e_X):
+    """Row j of x times expert e_X[j]'s matrix of w (float, or Int8 with x first rounded to
+    its dtype as xla's int8 products round it), in float32."""
+    if isinstance(w_EOI, Int8):
+        return kernels.expert_product_int8(x_XI.astype(w_EOI.dtype), w_EOI.q, w_EOI.scale, e_X)
+    return kernels.expert_product(x_XI, w_EOI, e_X)
+
+
 def attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale: float, bias_BNTS=None, kv_len=None,
               own=None, softcap=None, lengths=None):
     """jaxkv.ops.attention: queries with own keys and no bias (a decode step, a tree pass, a

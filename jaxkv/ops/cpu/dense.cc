@@ -8,6 +8,8 @@
 // claim from one counter, so every core streams its share of w and nothing waits on a thread
 // that is busy elsewhere.
 
+#include <vector>
+
 #include "common.h"
 
 namespace {
@@ -519,38 +521,46 @@ ffi::Error CheckShapes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, int64_t
   return ffi::Error::Success();
 }
 
-ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                     ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  int64_t R, I, O;
-  if (auto err = CheckShapes(x, w, &R, &I, &O); err.failure()) return err;
-  const float* xp = static_cast<const float*>(x.untyped_data());
-  float* yp = y->typed_data();
-  switch (w.element_type()) {
+// y [R, O] = x [R, I] @ w.T for w float32 or bfloat16 [O, I] at w, x float32 (or bfloat16
+// with bfloat16 w) at x: the dot form.
+ffi::Error DenseAt(ffi::ThreadPool pool, ffi::DataType w_type, const void* w,
+                   ffi::DataType x_type, const void* x, float* y, int64_t R, int64_t I,
+                   int64_t O) {
+  const float* xp = static_cast<const float*>(x);
+  switch (w_type) {
     case ffi::F32:
-      Dense(pool, F32Rows{static_cast<const float*>(w.untyped_data()), I}, xp, yp, R, I, O);
+      Dense(pool, F32Rows{static_cast<const float*>(w), I}, xp, y, R, I, O);
       return ffi::Error::Success();
     case ffi::BF16: {
-      BF16Base rows{static_cast<const uint16_t*>(w.untyped_data()), I};
+      BF16Base rows{static_cast<const uint16_t*>(w), I};
       Floats wide;
-      if (x.element_type() == ffi::BF16) {
-        const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
+      if (x_type == ffi::BF16) {
+        const uint16_t* xb = static_cast<const uint16_t*>(x);
         if (R == 1) {
-          DenseDP(pool, rows.w, xb, yp, I, O);
+          DenseDP(pool, rows.w, xb, y, I, O);
           return ffi::Error::Success();
         }
         wide = Widen(xb, R * I);
         xp = wide.get();
       }
       if (R >= 3 && R <= 6) {
-        Dense(pool, BF16Widen{rows}, xp, yp, R, I, O);
+        Dense(pool, BF16Widen{rows}, xp, y, R, I, O);
       } else {
-        Dense(pool, BF16Rows{rows}, Interleave(xp, R, I).get(), yp, R, I, O);
+        Dense(pool, BF16Rows{rows}, Interleave(xp, R, I).get(), y, R, I, O);
       }
       return ffi::Error::Success();
     }
     default:
       return ffi::Error::InvalidArgument("jaxkv dense: w must be float32 or bfloat16");
   }
+}
+
+ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                     ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  int64_t R, I, O;
+  if (auto err = CheckShapes(x, w, &R, &I, &O); err.failure()) return err;
+  return DenseAt(pool, w.element_type(), w.untyped_data(), x.element_type(), x.untyped_data(),
+                 y->typed_data(), R, I, O);
 }
 
 // x float32 [R, I] (R <= 96), w float32 [O, I], y [R, O].
@@ -586,34 +596,122 @@ void DenseInt8Typed(ffi::ThreadPool pool, const int8_t* q, const void* scale, co
                      I, O);
 }
 
+// y [R, O] = x [R, I] @ (q * scale).T for int8 q [O, I] with scales [O, NB] of scale_type.
+ffi::Error DenseInt8At(ffi::ThreadPool pool, const int8_t* q, ffi::DataType scale_type,
+                       const void* scale, int64_t NB, const float* x, float* y, int64_t R,
+                       int64_t I, int64_t O) {
+  switch (scale_type) {
+    case ffi::F32:
+      DenseInt8Typed<float>(pool, q, scale, x, y, R, I, O, NB);
+      return ffi::Error::Success();
+    case ffi::F16:
+      DenseInt8Typed<Half>(pool, q, scale, x, y, R, I, O, NB);
+      return ffi::Error::Success();
+    case ffi::BF16:
+      DenseInt8Typed<uint16_t>(pool, q, scale, x, y, R, I, O, NB);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("jaxkv dense_int8: scale must be a float type");
+  }
+}
+
+// Whether scales [.., O, NB] suit int8 rows of I inputs: NB == 1, or blocks of I / NB inputs,
+// a power of two of at least a vector.
+bool ScalesFit(int64_t I, int64_t NB) {
+  int64_t K = NB > 0 ? I / NB : 0;
+  return NB >= 1 && I % NB == 0 && (NB == 1 || (K >= kLanes && (K & (K - 1)) == 0));
+}
+
 ffi::Error DenseInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q,
                          ffi::AnyBuffer scale, ffi::Result<ffi::Buffer<ffi::F32>> y) {
   int64_t R, I, O;
   if (auto err = CheckShapes(x, q, &R, &I, &O); err.failure()) return err;
   auto sd = scale.dimensions();
-  int64_t K = sd.size() == 2 && sd[1] > 0 ? I / sd[1] : 0;
-  if (q.element_type() != ffi::S8 || sd.size() != 2 || sd[0] != O || sd[1] < 1 || I % sd[1] ||
-      (sd[1] > 1 && (K < kLanes || (K & (K - 1)))))
+  if (q.element_type() != ffi::S8 || sd.size() != 2 || sd[0] != O || !ScalesFit(I, sd[1]))
     return ffi::Error::InvalidArgument(
         "jaxkv dense_int8: q must be int8 [O, I], scale [O, NB] with NB == 1 or I / NB a "
         "power of two >= 16");
-  const auto* qp = static_cast<const int8_t*>(q.untyped_data());
-  const auto* xp = static_cast<const float*>(x.untyped_data());
-  float* yp = y->typed_data();
-  int64_t NB = sd[1];
-  switch (scale.element_type()) {
-    case ffi::F32:
-      DenseInt8Typed<float>(pool, qp, scale.untyped_data(), xp, yp, R, I, O, NB);
-      return ffi::Error::Success();
-    case ffi::F16:
-      DenseInt8Typed<Half>(pool, qp, scale.untyped_data(), xp, yp, R, I, O, NB);
-      return ffi::Error::Success();
-    case ffi::BF16:
-      DenseInt8Typed<uint16_t>(pool, qp, scale.untyped_data(), xp, yp, R, I, O, NB);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("jaxkv dense_int8: scale must be a float type");
+  return DenseInt8At(pool, static_cast<const int8_t*>(q.untyped_data()), scale.element_type(),
+                     scale.untyped_data(), sd[1], static_cast<const float*>(x.untyped_data()),
+                     y->typed_data(), R, I, O);
+}
+
+// The products of a mixture's chosen experts: row j of x [X, I] times expert e[j]'s matrix of
+// a stack w [E, O, I], read where it lies (XLA's form copies it out first). Rows are sorted by
+// expert, so rows that chose the same expert sit together and share one read of its weights:
+// run(expert, x rows, y rows, n) on each expert's n rows in turn (each split over the pool),
+// results scattered back to y [X, O].
+template <typename Run>
+ffi::Error ByExpert(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& e, int64_t E,
+                    int64_t O, float* y, const Run& run) {
+  int64_t X = x.dimensions()[0];
+  size_t row = x.dimensions()[1] * ffi::ByteWidth(x.element_type());
+  const int32_t* ep = e.typed_data();
+  for (int64_t j = 0; j < X; ++j)
+    if (ep[j] < 0 || ep[j] >= E)
+      return ffi::Error::InvalidArgument("jaxkv dense_experts: an expert index is out of range");
+  std::vector<int64_t> order(X), starts;
+  for (int64_t j = 0; j < X; ++j) order[j] = j;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return ep[a] < ep[b]; });
+  Floats xs = Aligned((X * row + 3) / 4), ys = Aligned(X * O);
+  char* xb = reinterpret_cast<char*>(xs.get());
+  const char* x_in = static_cast<const char*>(x.untyped_data());
+  for (int64_t k = 0; k < X; ++k) {
+    std::memcpy(xb + k * row, x_in + order[k] * row, row);
+    if (k == 0 || ep[order[k]] != ep[order[k - 1]]) starts.push_back(k);
   }
+  starts.push_back(X);
+  for (size_t g = 0; g + 1 < starts.size(); ++g) {
+    int64_t a = starts[g];
+    if (auto err = run(ep[order[a]], xb + a * row, ys.get() + a * O, starts[g + 1] - a);
+        err.failure())
+      return err;
+  }
+  for (int64_t k = 0; k < X; ++k)
+    std::memcpy(y + order[k] * O, ys.get() + k * O, O * sizeof(float));
+  return ffi::Error::Success();
+}
+
+// x [X, I] (as dense's), w float32 or bfloat16 [E, O, I], e int32 [X], y [X, O].
+ffi::Error DenseExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::S32> e, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2] || e.element_count() != xd[0])
+    return ffi::Error::InvalidArgument("jaxkv dense_experts: x must be [X, I], w [E, O, I] and "
+                                       "e [X]");
+  int64_t O = wd[1], I = wd[2];
+  size_t matrix = O * I * ffi::ByteWidth(w.element_type());
+  const char* w_in = static_cast<const char*>(w.untyped_data());
+  auto run = [&](int64_t ex, const void* xs, float* ys, int64_t n) {
+    return DenseAt(pool, w.element_type(), w_in + ex * matrix, x.element_type(), xs, ys, n, I,
+                   O);
+  };
+  if (w.element_type() != ffi::F32 && w.element_type() != ffi::BF16)
+    return ffi::Error::InvalidArgument("jaxkv dense_experts: w must be float32 or bfloat16");
+  return ByExpert(x, e, wd[0], O, y->typed_data(), run);
+}
+
+// x float32 [X, I], q int8 [E, O, I] with scale [E, O, NB], e int32 [X], y [X, O].
+ffi::Error DenseInt8ExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q,
+                                ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> e,
+                                ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (x.element_type() != ffi::F32 || q.element_type() != ffi::S8 || xd.size() != 2 ||
+      qd.size() != 3 || xd[1] != qd[2] || e.element_count() != xd[0] || sd.size() != 3 ||
+      sd[0] != qd[0] || sd[1] != qd[1] || !ScalesFit(qd[2], sd[2]))
+    return ffi::Error::InvalidArgument(
+        "jaxkv dense_int8_experts: x must be float32 [X, I], q int8 [E, O, I], scale "
+        "[E, O, NB] with NB == 1 or I / NB a power of two >= 16, e [X]");
+  int64_t O = qd[1], I = qd[2], NB = sd[2];
+  const int8_t* q_in = static_cast<const int8_t*>(q.untyped_data());
+  const char* s_in = static_cast<const char*>(scale.untyped_data());
+  size_t scales = O * NB * ffi::ByteWidth(scale.element_type());
+  auto run = [&](int64_t ex, const void* xs, float* ys, int64_t n) {
+    return DenseInt8At(pool, q_in + ex * O * I, scale.element_type(), s_in + ex * scales, NB,
+                       static_cast<const float*>(xs), ys, n, I, O);
+  };
+  return ByExpert(x, e, qd[0], O, y->typed_data(), run);
 }
 
 }  // namespace
@@ -638,6 +736,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvDenseInt8, DenseInt8Impl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvDenseExperts, DenseExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvDenseInt8Experts, DenseInt8ExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // Rows of x one block of the outer-product form takes in this build (96 with AVX-512, 24 with

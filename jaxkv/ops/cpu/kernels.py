@@ -79,7 +79,10 @@ def registered() -> bool:
     if library is None:
         return False
     for name, symbol in (("jaxkv_dense", "JaxkvDense"), ("jaxkv_dense_t", "JaxkvDenseT"),
-                         ("jaxkv_dense_int8", "JaxkvDenseInt8"), ("jaxkv_attend", "JaxkvAttend"),
+                         ("jaxkv_dense_int8", "JaxkvDenseInt8"),
+                         ("jaxkv_dense_experts", "JaxkvDenseExperts"),
+                         ("jaxkv_dense_int8_experts", "JaxkvDenseInt8Experts"),
+                         ("jaxkv_attend", "JaxkvAttend"),
                          ("jaxkv_attend_int8", "JaxkvAttendInt8")):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
                                     platform="cpu")
@@ -178,6 +181,23 @@ def product_int8(x_RI, q_OI, scale_OB):
         default=lambda x, q, s: _xla(x, _dequantize(q, s)))
 
 
+@jax.custom_jvp
+def expert_product(x_XI, w_EOI, e_X):
+    """Row j of x times expert e_X[j]'s w_EOI[e].T, in float32 [X, O]: w float32 or bfloat16
+    [E, O, I] read where it lies, each chosen expert once (rows that chose it share the read).
+    The kernel on the CPU, XLA elsewhere."""
+    return jax.lax.platform_dependent(
+        x_XI, w_EOI, e_X, cpu=_ffi("jaxkv_dense_experts"), default=_by_expert)
+
+
+@jax.custom_jvp
+def expert_product_int8(x_XI, q_EOI, scale_EOB, e_X):
+    """expert_product of int8 stacks: q int8 [E, O, I], scale [E, O, NB] (see product_int8)."""
+    return jax.lax.platform_dependent(
+        x_XI, q_EOI, scale_EOB, e_X, cpu=_ffi("jaxkv_dense_int8_experts"),
+        default=lambda x, q, s, e: _by_expert(x, _dequantize(q, s), e))
+
+
 def _ffi(target, outer=None):
     """The kernel call; outer (float32 weights only): the target taking x transposed, used from
     OUTER_ROWS rows on."""
@@ -186,7 +206,7 @@ def _ffi(target, outer=None):
             raise RuntimeError("jaxkv: the CPU product kernels could not be built (see the "
                                "warning)")
         R = x_RI.shape[0]
-        y = jax.ShapeDtypeStruct((R, w[0].shape[0]), jnp.float32)
+        y = jax.ShapeDtypeStruct((R, w[0].shape[-2]), jnp.float32)  # w [O, I] or [E, O, I]
         if not (x_RI.dtype == w[0].dtype == jnp.bfloat16):  # bfloat16 pairs go as they are
             x_RI = x_RI.astype(jnp.float32)
         form = outer if outer and w[0].dtype == jnp.float32 and R >= OUTER_ROWS else target
@@ -196,6 +216,11 @@ def _ffi(target, outer=None):
 
 def _xla(x_RI, w_OI):
     return jnp.einsum("RI,OI->RO", x_RI, w_OI, preferred_element_type=jnp.float32)
+
+
+def _by_expert(x_XI, w_EOI, e_X):
+    """expert_product in XLA: each row's expert's matrix taken out, then products."""
+    return jnp.einsum("XI,XOI->XO", x_XI, w_EOI[e_X], preferred_element_type=jnp.float32)
 
 
 def _dequantize(q_OI, scale_OB):
@@ -212,6 +237,18 @@ def _product_jvp(primals, tangents):
 def _product_int8_jvp(primals, tangents):  # int8 weights are constants: only x moves
     (x_RI, q_OI, scale_OB), (dx_RI, _, _) = primals, tangents
     return product_int8(x_RI, q_OI, scale_OB), _xla(dx_RI, _dequantize(q_OI, scale_OB))
+
+
+@expert_product.defjvp
+def _expert_product_jvp(primals, tangents):
+    return jax.jvp(_by_expert, primals, tangents)
+
+
+@expert_product_int8.defjvp
+def _expert_product_int8_jvp(primals, tangents):  # int8 weights are constants: only x moves
+    (x_XI, q_EOI, scale_EOB, e_X), (dx_XI, _, _, _) = primals, tangents
+    w_EOI = _dequantize(q_EOI, scale_EOB)
+    return expert_product_int8(x_XI, q_EOI, scale_EOB, e_X), _by_expert(dx_XI, w_EOI, e_X)
 
 
 def attend_fits(q_BTNH, k_BKSH) -> bool:
