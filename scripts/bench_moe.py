@@ -1,17 +1,19 @@
-"""Does a mixture of experts' decode step read only its chosen experts? Its step time against
+"""Does a mixture of experts' decode step read only its chosen experts? Its step time (and a
+prefill's, of a prompt of --prompt tokens, 0 for none) against
 two dense models of the same shape: one whose MLP is as wide as the experts a token uses (the
 active size), one as wide as all the experts (the total size); and against itself with its
 experts in XLA's portable form (jaxkv.ops.xla.experts: each row's experts copied out, then
-products) where the backend has its own. Random weights in each dtype
+products; named xla_form) where the backend has its own. Random weights in each dtype
 (int8: jaxkv.quantize); a jitted loop of decode steps each, best of repeats, alternating.
 
     python scripts/bench_moe.py [--d-model 512] [--layers 8] [--experts 32] [--top-k 4]
         [--expert-ff 512] [--steps 32] [--repeats 5] [--dtypes float32 bfloat16 int8]
-        [--batches 1] [--out PATH]
+        [--batches 1] [--prompt 512] [--out PATH]
 
 Writes PATH.json (default results/<machine>/bench_moe.json): a row per dtype and batch with
 step ms of each model and the ratios moe / dense_active (near 1 at batch 1: only the chosen
-experts read), moe / dense_total and moe / moe_xla_form."""
+experts read), moe / dense_total and moe / moe_xla_form; the same of the prefill at batch 1
+(prefill_ms, prefill_moe_over_*)."""
 
 import argparse
 import contextlib
@@ -47,48 +49,76 @@ def in_dtype(params, dtype: str):
     return jaxkv.quantize(params) if dtype == "int8" else jaxkv.cast(params, dtype)
 
 
-def measure(configs, args, dtype: str, batch: int) -> dict:
-    """One row: each model's best step time in ms, alternating over repeats, and the ratios."""
-    runs = {}
-    for name, config in configs.items():
-        params = in_dtype(jaxkv.init_params(config, jax.random.key(0)), dtype)
-        cache = jaxkv.init_cache(params, batch, args.steps + 16)
-        fn = step_loop(params, args.steps, batch)
-        portable = mock.patch.object(jaxkv.ops.backend(), "experts", jaxkv.ops.xla.experts,
-                                     create=True)
-        with portable if name == "moe_xla_form" else contextlib.nullcontext():
-            jax.block_until_ready(fn(cache))  # compiled (the form is fixed from here on)
-        runs[name] = (fn, cache)
+def prefill(params, prompt: int):
+    """A jitted prefill of one row of `prompt` tokens (as jaxkv.prefill runs it), its logits."""
+    tokens_BT = (jnp.arange(prompt, dtype=jnp.int32) * 7 % params.config.vocab_size)[None]
+
+    def run(cache):
+        return jaxkv.core.decoder.prefill_padded(params, cache, tokens_BT, jnp.full((1,), prompt),
+                                                 jnp.zeros((1,), jnp.int32))[0]
+    return jax.jit(run)
+
+
+def best_times(runs: dict, repeats: int) -> dict:
+    """{name: best seconds of fn(cache)} over repeats, the runs alternating."""
     best = {}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for name, (fn, cache) in runs.items():
             start = time.perf_counter()
             jax.block_until_ready(fn(cache))
             seconds = time.perf_counter() - start
             best[name] = min(best.get(name, seconds), seconds)
-    ms = {f"{name}_ms": seconds / args.steps * 1e3 for name, seconds in best.items()}
-    return dict(dtype=dtype, batch=batch, **ms,
-                moe_over_dense_active=ms["moe_ms"] / ms["dense_active_ms"],
-                moe_over_dense_total=ms["moe_ms"] / ms["dense_total_ms"],
-                moe_over_xla_form=ms["moe_ms"] / ms["moe_xla_form_ms"])
+    return best
+
+
+def ratios(ms: dict, prefix: str = "") -> dict:
+    return {f"{prefix}moe_over_{name}": ms["moe"] / ms[name]
+            for name in ("dense_active", "dense_total", "xla_form")}
+
+
+def measure(configs, args, dtype: str, batch: int) -> dict:
+    """One row: each model's best step time in ms (and prefill's at batch 1), alternating over
+    repeats, and the ratios."""
+    steps, fills = {}, {}
+    for name, config in configs.items():
+        params = in_dtype(jaxkv.init_params(config, jax.random.key(0)), dtype)
+        cache = jaxkv.init_cache(params, batch, args.prompt + args.steps + 16)
+        fns = {"step": step_loop(params, args.steps, batch)}
+        if args.prompt and batch == 1:
+            fns["prefill"] = prefill(params, args.prompt)
+        portable = mock.patch.object(jaxkv.ops.backend(), "experts", jaxkv.ops.xla.experts,
+                                     create=True)
+        with portable if name == "xla_form" else contextlib.nullcontext():
+            for fn in fns.values():
+                jax.block_until_ready(fn(cache))  # compiled (the form is fixed from here on)
+        steps[name] = (fns["step"], cache)
+        if "prefill" in fns:
+            fills[name] = (fns["prefill"], cache)
+    ms = {name: s / args.steps * 1e3 for name, s in best_times(steps, args.repeats).items()}
+    row = dict(dtype=dtype, batch=batch, step_ms=ms, **ratios(ms))
+    if fills:
+        ms = {name: s * 1e3 for name, s in best_times(fills, args.repeats).items()}
+        row.update(prefill_ms=ms, **ratios(ms, "prefill_"))
+    return row
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for flag, default in (("--d-model", 512), ("--layers", 8), ("--experts", 32), ("--top-k", 4),
-                          ("--expert-ff", 512), ("--steps", 32), ("--repeats", 5)):
+                          ("--expert-ff", 512), ("--steps", 32), ("--repeats", 5),
+                          ("--prompt", 512)):
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     shape = dict(vocab_size=4096, d_model=args.d_model, n_layers=args.layers, n_heads=8,
-                 n_kv_heads=8, max_seq_len=args.steps + 16)
+                 n_kv_heads=8, max_seq_len=args.prompt + args.steps + 16)
     moe = jaxkv.Config.llama(d_ff=args.expert_ff, n_experts=args.experts,
                              experts_per_token=args.top_k, norm_topk=True, **shape)
     configs = {
         "moe": moe,
-        "moe_xla_form": moe,
+        "xla_form": moe,
         "dense_active": jaxkv.Config.llama(d_ff=args.expert_ff * args.top_k, **shape),
         "dense_total": jaxkv.Config.llama(d_ff=args.expert_ff * args.experts, **shape),
     }

@@ -258,17 +258,21 @@ def expert_product(x_XI, w_EOI, e_X):
 
 
 @pytest.mark.parametrize("form", list(EXPERT_FORMATS))
-@pytest.mark.parametrize("X", [1, 5, 24])
+@pytest.mark.parametrize("X", [1, 5, 24, 150])
 def test_expert_product_equals_float64(form, X):
     """Row j times expert e[j]'s matrix of the stack, in every weight format the product
     kernels take: rows that chose the same expert are gathered for one read of it (5 rows over
     3 experts, 24 over 3 with 4 in the stack, expert 1 never chosen), and each comes back to its
-    own place; 37 outputs and 80 inputs leave tails."""
+    own place; 150 rows, 120 of them expert 3's: pieces of 96 rows and 24, in the outer form
+    for float32; 37 outputs and 80 inputs leave tails."""
     x_dtype, make = EXPERT_FORMATS[form]
     E, O, I = 4, 37, 80
     x_XI = jax.random.normal(jax.random.key(0), (X, I)).astype(x_dtype)
     w_EOI = make(jax.random.normal(jax.random.key(1), (E, O, I)))
-    e_X = jnp.asarray(np.random.default_rng(X).choice([0, 2, 3], X), jnp.int32)
+    e_X = np.random.default_rng(X).choice([0, 2, 3], X)
+    if X == 150:
+        e_X[np.random.default_rng(0).permutation(X)[:120]] = 3
+    e_X = jnp.asarray(e_X, jnp.int32)
     y_XO = expert_product(x_XI, w_EOI, e_X)
     w = (dequantize_rows(w_EOI.q, w_EOI.scale) if isinstance(w_EOI, jaxkv.ops.Int8)
          else w_EOI.astype(jnp.float32))

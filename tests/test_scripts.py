@@ -29,7 +29,7 @@ RUNS = {
     "bench_constraints": ["--batch", "2", "--steps", "2", "--repeats", "1"],
     "bench_moe": ["--d-model", "64", "--layers", "1", "--experts", "4", "--top-k", "2",
                   "--expert-ff", "32", "--steps", "2", "--repeats", "1", "--dtypes", "float32",
-                  "int8", "--batches", "1", "2"],
+                  "int8", "--batches", "1", "2", "--prompt", "8"],
     "bench_speculative": ["--prompts", "1", "--kinds", "grounded", "--batches", "1",
                           "--new-tokens", "4", "--trees", "defaultx1", "--no-draft", "--repeats",
                           "1"],
@@ -80,8 +80,10 @@ def test_script_runs(script, tmp_path):
         return
     if script == "bench_moe":  # ratios, not a plot (tiny sizes: no bound on them)
         assert len(result["rows"]) == 4
-        assert all(math.isfinite(row["moe_over_dense_active"]) and row["moe_ms"] > 0
+        assert all(math.isfinite(row["moe_over_dense_active"]) and row["step_ms"]["moe"] > 0
                    for row in result["rows"])
+        assert [math.isfinite(row.get("prefill_moe_over_xla_form", math.nan))
+                for row in result["rows"]] == [True, False, True, False]  # batch 1 only
         return
     if script == "bench_constraints":  # one ratio and the schema's sizes, not a plot
         assert math.isfinite(result["constrained_over_plain"]) and result["table_mib"] > 0

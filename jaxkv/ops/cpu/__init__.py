@@ -82,12 +82,12 @@ def _row_product(x_I, w: Int8):
 
 
 def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation: str):
-    """jaxkv.ops.experts: a decode step's few rows (each once per expert it chose, up to the
-    kernels' rows) go to the kernels with the whole expert stacks and each row's expert: the
-    chosen experts' weights are read where they lie, once however many rows chose them (XLA's
-    form copies each row's expert out, then reads the copy). More rows: XLA's grouped form."""
+    """jaxkv.ops.experts: the rows (each once per expert it chose) go to the kernels with the
+    whole expert stacks and each row's expert: the chosen experts' weights are read where they
+    lie, once for all the rows that chose them (in pieces of 96 rows), where XLA's forms copy
+    each row's or tile's expert out and then read the copy."""
     R, K = expert_RK.shape
-    if not _experts_take(R * K, w_in_EOD):
+    if not _experts_take(w_in_EOD):
         return xla.experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation)
     e_X = expert_RK.reshape(R * K).astype(jnp.int32)
     h_XO = _expert_product(jnp.repeat(x_RD, K, axis=0), w_in_EOD, e_X)
@@ -96,10 +96,11 @@ def experts(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK, activation: str):
     return xla.weighted_sum(y_XD.reshape(R, K, -1), weight_RK)
 
 
-def _experts_take(rows: int, w_EOI) -> bool:
+def _experts_take(w_EOI) -> bool:
+    """Whether the kernels read these expert stacks (for any number of rows)."""
     if isinstance(w_EOI, Int8):
-        return kernels.fits(rows, jnp.int8) and kernels.int8_fits(w_EOI.q[0], w_EOI.scale[0])
-    return kernels.fits(rows, w_EOI.dtype)
+        return kernels.fits(1, jnp.int8) and kernels.int8_fits(w_EOI.q[0], w_EOI.scale[0])
+    return kernels.fits(1, w_EOI.dtype)
 
 
 def _expert_product(x_XI, w_EOI, e_X):

@@ -673,9 +673,12 @@ ffi::Error ByExpert(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& e, int
   return ffi::Error::Success();
 }
 
-// x [X, I] (as dense's), w float32 or bfloat16 [E, O, I], e int32 [X], y [X, O].
+// x [X, I] (as dense's), w float32 or bfloat16 [E, O, I], e int32 [X], y [X, O]; an expert's
+// rows go in pieces of at most kMaxRowsT, float32 pieces of outer_rows or more (kernels.py's
+// OUTER_ROWS) in the outer-product form.
 ffi::Error DenseExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                            ffi::Buffer<ffi::S32> e, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+                            ffi::Buffer<ffi::S32> e, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                            int64_t outer_rows) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2] || e.element_count() != xd[0])
     return ffi::Error::InvalidArgument("jaxkv dense_experts: x must be [X, I], w [E, O, I] and "
@@ -683,9 +686,21 @@ ffi::Error DenseExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   int64_t O = wd[1], I = wd[2];
   size_t matrix = O * I * ffi::ByteWidth(w.element_type());
   const char* w_in = static_cast<const char*>(w.untyped_data());
+  size_t row = I * ffi::ByteWidth(x.element_type());
   auto run = [&](int64_t ex, const void* xs, float* ys, int64_t n) {
-    return DenseAt(pool, w.element_type(), w_in + ex * matrix, x.element_type(), xs, ys, n, I,
-                   O);
+    for (int64_t r = 0, m; r < n; r += m) {  // as dense products of at most kMaxRowsT rows
+      m = std::min(kMaxRowsT, n - r);
+      const void* x_r = static_cast<const char*>(xs) + r * row;
+      if (w.element_type() == ffi::F32 && x.element_type() == ffi::F32 && m >= outer_rows) {
+        DenseT(pool, reinterpret_cast<const float*>(w_in + ex * matrix),
+               static_cast<const float*>(x_r), ys + r * O, m, I, O);
+      } else if (auto err = DenseAt(pool, w.element_type(), w_in + ex * matrix,
+                                    x.element_type(), x_r, ys + r * O, m, I, O);
+                 err.failure()) {
+        return err;
+      }
+    }
+    return ffi::Error::Success();
   };
   if (w.element_type() != ffi::F32 && w.element_type() != ffi::BF16)
     return ffi::Error::InvalidArgument("jaxkv dense_experts: w must be float32 or bfloat16");
@@ -708,8 +723,15 @@ ffi::Error DenseInt8ExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
   const char* s_in = static_cast<const char*>(scale.untyped_data());
   size_t scales = O * NB * ffi::ByteWidth(scale.element_type());
   auto run = [&](int64_t ex, const void* xs, float* ys, int64_t n) {
-    return DenseInt8At(pool, q_in + ex * O * I, scale.element_type(), s_in + ex * scales, NB,
-                       static_cast<const float*>(xs), ys, n, I, O);
+    for (int64_t r = 0, m; r < n; r += m) {  // as dense products of at most kMaxRowsT rows
+      m = std::min(kMaxRowsT, n - r);
+      if (auto err = DenseInt8At(pool, q_in + ex * O * I, scale.element_type(),
+                                 s_in + ex * scales, NB, static_cast<const float*>(xs) + r * I,
+                                 ys + r * O, m, I, O);
+          err.failure())
+        return err;
+    }
+    return ffi::Error::Success();
   };
   return ByExpert(x, e, qd[0], O, y->typed_data(), run);
 }
@@ -744,7 +766,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvDenseExperts, DenseExpertsImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("outer_rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvDenseInt8Experts, DenseInt8ExpertsImpl,
                               ffi::Ffi::Bind()

@@ -184,10 +184,12 @@ def product_int8(x_RI, q_OI, scale_OB):
 @jax.custom_jvp
 def expert_product(x_XI, w_EOI, e_X):
     """Row j of x times expert e_X[j]'s w_EOI[e].T, in float32 [X, O]: w float32 or bfloat16
-    [E, O, I] read where it lies, each chosen expert once (rows that chose it share the read).
+    [E, O, I] read where it lies, each chosen expert once (rows that chose it share the read,
+    as dense products of up to 96 rows: from OUTER_ROWS rows on, float32 in the outer form).
     The kernel on the CPU, XLA elsewhere."""
     return jax.lax.platform_dependent(
-        x_XI, w_EOI, e_X, cpu=_ffi("jaxkv_dense_experts"), default=_by_expert)
+        x_XI, w_EOI, e_X, cpu=_ffi("jaxkv_dense_experts", outer_rows=np.int64(OUTER_ROWS)),
+        default=_by_expert)
 
 
 @jax.custom_jvp
@@ -198,9 +200,9 @@ def expert_product_int8(x_XI, q_EOI, scale_EOB, e_X):
         default=lambda x, q, s, e: _by_expert(x, _dequantize(q, s), e))
 
 
-def _ffi(target, outer=None):
+def _ffi(target, outer=None, **attributes):
     """The kernel call; outer (float32 weights only): the target taking x transposed, used from
-    OUTER_ROWS rows on."""
+    OUTER_ROWS rows on; attributes: the target's."""
     def call(x_RI, *w):
         if not registered():
             raise RuntimeError("jaxkv: the CPU product kernels could not be built (see the "
@@ -210,7 +212,7 @@ def _ffi(target, outer=None):
         if not (x_RI.dtype == w[0].dtype == jnp.bfloat16):  # bfloat16 pairs go as they are
             x_RI = x_RI.astype(jnp.float32)
         form = outer if outer and w[0].dtype == jnp.float32 and R >= OUTER_ROWS else target
-        return jax.ffi.ffi_call(form, y, vmap_method="sequential")(x_RI, *w)
+        return jax.ffi.ffi_call(form, y, vmap_method="sequential")(x_RI, *w, **attributes)
     return call
 
 
