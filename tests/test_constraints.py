@@ -180,9 +180,14 @@ def test_a_ten_field_schema_on_smollm2_is_small_and_cached(tmp_path, monkeypatch
           f"{built.nbytes / 2**20:.2f} MiB ({S * 49152 / 8 / 2**20:.1f} MiB as a bitmask per "
           f"state); built in {built.build_seconds:.1f} s")
     assert built.nbytes < S * 49152 / 8 / 4 and built.build_seconds > 0
+    reads, read = [], constraints.token_bytes
+    monkeypatch.setattr(constraints, "token_bytes", lambda tok: reads.append(1) or read(tok))
     again = jaxkv.constraints.JsonSchema(schema, tokenizer)
-    assert again.build_seconds == 0
+    assert again.build_seconds == 0 and not reads  # the vocabulary's bytes kept, not reread
     np.testing.assert_array_equal(again.exc_next, built.exc_next)
+    tokenizer.add_tokens(["<new token>"])  # a changed vocabulary is read again
+    jaxkv.constraints.Regex("[0-9]+", tokenizer)
+    assert reads == [1]
 
 
 @pytest.mark.parametrize("build, message", [

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import time
+import weakref
 from collections import deque
 
 import jax
@@ -122,9 +123,9 @@ def _escape(text: str) -> str:
 
 def _compiled(kind: str, key: str, pattern: str, tokenizer) -> Constraint:
     """The constraint of pattern for tokenizer, from the disk cache or built (and stored)."""
-    vocab = token_bytes(tokenizer)
-    digest = hashlib.sha256(json.dumps([CACHE_VERSION, kind, key, pattern, sorted(
-        (i, b.hex()) for i, b in vocab.items())]).encode()).hexdigest()[:24]
+    vocab, vocab_digest = _vocabulary(tokenizer)
+    digest = hashlib.sha256(json.dumps([CACHE_VERSION, kind, key, pattern, vocab_digest])
+                            .encode()).hexdigest()[:24]
     path = os.path.join(cache_dir(), f"{digest}.npz")
     description = f"{kind} {key if len(key) < 120 else key[:117] + '...'}"
     if os.path.exists(path):
@@ -140,6 +141,23 @@ def _compiled(kind: str, key: str, pattern: str, tokenizer) -> Constraint:
     return Constraint(description, **{k: v for k, v in tables.items() if k != "vocab_size"},
                       vocab_size=int(tables["vocab_size"]),
                       build_seconds=time.perf_counter() - start)
+
+
+# tokenizer -> (its size with added tokens, token_bytes of it, a digest of those)
+_VOCABULARIES = weakref.WeakKeyDictionary()
+
+
+def _vocabulary(tokenizer) -> tuple[dict, str]:
+    """token_bytes(tokenizer) and a digest of it, read once per tokenizer (0.2 s for SmolLM2's)
+    and again only when its size changes (tokens added to it)."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    kept = _VOCABULARIES.get(tokenizer)
+    if kept is None or kept[0] != size:
+        vocab = token_bytes(tokenizer)
+        digest = hashlib.sha256(json.dumps(sorted((i, b.hex()) for i, b in vocab.items()))
+                                .encode()).hexdigest()
+        kept = _VOCABULARIES[tokenizer] = (size, vocab, digest)
+    return kept[1], kept[2]
 
 
 def cache_dir() -> str:
