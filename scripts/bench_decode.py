@@ -39,9 +39,10 @@ at most their window of cache), GPT-2-124M, Llama-1B, SmolLM2-135M shapes and a 
 Qwen3-MoE (random, saved locally with transformers and loaded by both; llama.cpp runs the MoE
 from a GGUF written as its converter writes one). llama.cpp's MBU counts the GGUF file's tensor
 bytes. A mixture's step counts the experts its rows choose (on average, choosing at random:
-its top k of them at batch 1). Writes JSON + PNG (the tables and the plot name the CPU) to results/cpu/<id>/ or
-results/gpu/<chip>/ (bench_checks.results_dir) unless --out says otherwise; asserts nothing
-recompiles after warm-up. Examples (an --out below is where that run's committed files are):
+its top k of them at batch 1). Writes JSON + PNG (the tables and the plot name the CPU) to
+results/cpu/<id>/ or results/gpu/<chip>/ (bench_checks.results_dir) unless --out says
+otherwise; asserts nothing recompiles after warm-up. Examples (an --out below is where that
+run's committed files are):
 
   python scripts/bench_decode.py                                  # CPU grid (~15 min, 2 cores)
   python scripts/bench_decode.py --models smollm2 --batches 1 --dtypes float32   # quick

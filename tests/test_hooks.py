@@ -472,3 +472,55 @@ def test_decode_captures_equal_forward_gemma_like():
     np.testing.assert_allclose(got_BTV, ref_BTV, atol=1e-4)
     for site in ALL:
         np.testing.assert_allclose(got[site], flat(site, ref[site]), atol=1e-4, err_msg=site)
+
+
+# a mixture (4 experts, top 2, layer 1 dense as Qwen3-MoE's mlp_only_layers make one)
+MOE = dataclasses.replace(CONFIGS["llama_gqa"], n_experts=4, experts_per_token=2,
+                          norm_topk=True, dense_layers=(1,))
+
+
+def test_router_captures_in_decode_equal_forward():
+    """A mixture's router logits [L, B, T, E], float32: the decode steps' equal the forward's,
+    the dense layer's are zeros, and generate's loop carries them for its new tokens."""
+    params = jaxkv.init_params(MOE, jax.random.key(0))
+    tokens_BT = np.asarray(random_tokens(20, (2, 8)))
+    hooks = jaxkv.Hooks(capture=["router"])
+    ref_BTV, ref = jaxkv.forward(params, tokens_BT, hooks=hooks)
+    assert ref["router"].shape == (MOE.n_layers, 2, 8, 4) and ref["router"].dtype == jnp.float32
+    assert not np.asarray(ref["router"][1]).any() and np.asarray(ref["router"][0]).any()
+    got_BTV, got = decode_all(params, tokens_BT, [0, 3], hooks)
+    np.testing.assert_allclose(got_BTV, ref_BTV, atol=1e-4)
+    np.testing.assert_allclose(got["router"], ref["router"], atol=1e-4)
+    new_BN, _, acts = jaxkv.generate(params, tokens_BT[:, :5].tolist(), 3, hooks=hooks)
+    seen_BT = np.concatenate([tokens_BT[:, :5], np.asarray(new_BN)[:, :2]], 1)
+    _, again = jaxkv.forward(params, seen_BT, hooks=hooks)
+    np.testing.assert_allclose(np.asarray(acts["router"])[:, :, :7], again["router"], atol=1e-4)
+
+
+def test_a_router_edit_that_bans_experts_equals_a_mixture_without_them():
+    """Experts 2 and 3 banned (-inf logits) in every MoE layer: the logits, in the forward and
+    in prefill + decode steps, equal a mixture made of experts 0 and 1 alone (the same router
+    rows; its softmax over two is the renormalized top 2 of four)."""
+    params = jaxkv.init_params(MOE, jax.random.key(1))
+    hooks = jaxkv.Hooks(edit={"router": lambda x, pos: x.at[..., 2:].set(-jnp.inf)})
+    two = dataclasses.replace(params, config=dataclasses.replace(MOE, n_experts=2), blocks=tuple(
+        b if b.router is None else dataclasses.replace(
+            b, router=b.router[:2], experts_in=b.experts_in[:2], experts_out=b.experts_out[:2])
+        for b in params.blocks))
+    tokens_BT = np.asarray(random_tokens(21, (1, 9)))
+    want_BTV = jaxkv.forward(two, tokens_BT)
+    got_BTV, _ = jaxkv.forward(params, tokens_BT, hooks=hooks)
+    np.testing.assert_allclose(got_BTV, want_BTV, atol=1e-5)
+    assert np.abs(want_BTV - jaxkv.forward(params, tokens_BT)).max() > 1e-3
+    cache = jaxkv.init_cache(params, 1, 16)
+    logits_BV, cache, _ = jaxkv.prefill(params, cache, tokens_BT[:, :5], hooks=hooks)
+    np.testing.assert_allclose(logits_BV[0], want_BTV[0, 4], atol=1e-4)
+    for t in range(5, 9):
+        logits_BV, cache, _ = jaxkv.decode_step(params, cache, tokens_BT[:, t], jnp.array([t]),
+                                                hooks)
+        np.testing.assert_allclose(logits_BV[0], want_BTV[0, t], atol=1e-4)
+
+
+def test_the_router_of_a_model_without_experts_is_refused(llama):
+    with pytest.raises(ValueError, match="'router' is a mixture of experts' site"):
+        jaxkv.forward(llama, random_tokens(0, (1, 4)), hooks=jaxkv.Hooks(capture=["router"]))

@@ -4,6 +4,8 @@ Each takes a pre-norm residual stream x_BTD and returns it updated; `b` is one l
 (or Cross) parameters.
 """
 
+import functools
+
 import jax.numpy as jnp
 
 from jaxkv import ops
@@ -130,12 +132,12 @@ def cross_kv(config, c, states_BMD):
     return jnp.swapaxes(y_BMK2H[:, :, :, 0], 1, 2), jnp.swapaxes(y_BMK2H[:, :, :, 1], 1, 2)
 
 
-def feed_forward(config, b, x_BTD, hook=None, residual_BTD=None):
+def feed_forward(config, b, x_BTD, hook=None, residual_BTD=None, router_hook=None):
     """MLP (or mixture of experts) sublayer of x, added to residual_BTD (default x; the
     attention's output added to x where config.parallel_residual); hook (optional) maps its
-    output before it joins the stream (see add_out)."""
+    output before it joins the stream (see add_out), router_hook a mixture's router logits."""
     residual_BTD = x_BTD if residual_BTD is None else residual_BTD
-    ffn = mlp if b.router is None else moe
+    ffn = mlp if b.router is None else functools.partial(moe, router_hook=router_hook)
     if not config.post_norms and hook is None:
         return ffn(x_BTD, b, config, b.mlp_norm, residual_BTD)
     y_BTD = ffn(x_BTD, b, config, b.mlp_norm)

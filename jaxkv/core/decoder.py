@@ -119,7 +119,7 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
     of rows.
     write=False: the cache is only read, and (k, v) are this call's own, [B, K, T, H] per layer.
     tap (optional, a hooks.Tap): each layer's sites resid_pre, attn_probs, head_out, attn_out,
-    mlp_out and resid_post.
+    router (a mixture's), mlp_out and resid_post.
     """
     c = params.config
     local_BTS = c.window_layers and self_kv is None and window_mask(c, mask_BTS, pos_BT)
@@ -141,7 +141,10 @@ def layers(params: Params, x_BTD, pos_BT, mask_BTS, bias_BNTS, self_kv=None, cro
             x_BTD = blocks.cross_attention(c, params.cross[layer], x_BTD, cross[0][layer],
                                            cross[1][layer], cross[2])
         mlp_in_BTD = layer_in_BTD if c.parallel_residual else x_BTD
-        x_BTD = blocks.feed_forward(c, b, mlp_in_BTD, tap and tap.at("mlp_out", layer), x_BTD)
+        x_BTD = blocks.feed_forward(c, b, mlp_in_BTD, tap and tap.at("mlp_out", layer), x_BTD,
+                                    tap and tap.at("router", layer))
+        if tap and b.router is None:  # a mixture's dense layer: zeros for its router
+            tap.absent("router", layer, jnp.zeros((*x_BTD.shape[:2], c.n_experts), jnp.float32))
         x_BTD = tap("resid_post", layer, x_BTD) if tap else x_BTD
         new_k.append(k_BKSH)
         new_v.append(v_BKSH)
@@ -161,7 +164,7 @@ def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None, h
     cross = None
     if params.config.is_encoder_decoder or encoder_inputs is not None:
         cross = encoder.cross_cache(params, encoder_inputs, encoder_lengths, tokens_BT.shape[0])
-    hooks_lib.tap_for(hooks, None, params.config.n_layers)  # (checks hooks)
+    hooks_lib.tap_for(hooks, None, params.config)  # (checks hooks)
     return _forward(params, tokens_BT, cross, hooks)
 
 
@@ -169,7 +172,7 @@ def forward(params: Params, tokens, encoder_inputs=None, encoder_lengths=None, h
 def _forward(params: Params, tokens_BT, cross, hooks):
     B, T = tokens_BT.shape
     pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
-    tap = hooks_lib.tap_for(hooks, pos_BT, params.config.n_layers, n_keys=T)
+    tap = hooks_lib.tap_for(hooks, pos_BT, params.config, n_keys=T)
     x_BTD = embed(params, tokens_BT, pos_BT)
     x_BTD = tap("embed", None, x_BTD) if tap else x_BTD
     bias = self_bias(params, pos_BT, pos_BT)
@@ -272,7 +275,7 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
     the captures [.., B, T, D] of the prompt's tokens by index (padding's too)."""
     count_trace("prefill")
     B, T = tokens_BT.shape
-    L, D = params.config.n_layers, params.config.d_model
+    D = params.config.d_model
     chunk = chunk or ops.prefill_chunk(params.blocks[0].wqkv, B, T)
     C = min(T, chunk, *([] if cache.ring_pos is None else [cache.ring_pos.shape[1]]))
     n = -(-T // C)
@@ -286,7 +289,7 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
         slot_BC = jnp.where(t_BC < lengths_B[:, None], pos_BC, cache.capacity)
         # The cache as it was reads only slots before this chunk (its own are read as own keys).
         kv_len = jnp.max(start_B + jnp.minimum(lengths_B, i * C))
-        tap = hooks_lib.tap_for(hooks, pos_BC, L, n_keys=cache.capacity)
+        tap = hooks_lib.tap_for(hooks, pos_BC, params.config, n_keys=cache.capacity)
         x_BCD, cache = cached_pass(params, cache, tokens_BC, pos_BC, slot_BC,
                                    causal_mask(pos_BC, cache.capacity), kv_len=kv_len, tap=tap)
         if tap and hooks.captures("final", None):  # (the logits below are the last token's only)
@@ -307,7 +310,8 @@ def prefill_padded(params: Params, cache: KVCache, tokens_BT, lengths_B, start_B
         filled = jnp.clip(-(-jnp.max(lengths_B) // C), 1, n)
         cache, last_BD, acts = jax.lax.fori_loop(
             0, filled, lambda i, carry: chunk_pass(carry, (i, tokens_NBC[i]))[0], first)
-    last_tap = hooks_lib.tap_for(hooks, (start_B + lengths_B - 1)[:, None], L, record=False)
+    last_tap = hooks_lib.tap_for(hooks, (start_B + lengths_B - 1)[:, None], params.config,
+                                 record=False)
     logits_BV = logits(params, last_BD[:, None], last_tap)[:, 0]
     if hooks is None:
         return logits_BV, cache
@@ -328,7 +332,7 @@ def prefill(params: Params, cache: KVCache, tokens, lengths=None, start=None, ho
                                                         start)
     T = tokens_BT.shape[1]
     tokens_BT = checks.pad_to_bucket(tokens_BT)
-    hooks_lib.tap_for(hooks, None, params.config.n_layers)  # (checks hooks)
+    hooks_lib.tap_for(hooks, None, params.config)  # (checks hooks)
     out = _prefill_jit(params, cache, tokens_BT, lengths_B, start_B, hooks=hooks)
     return out if hooks is None else (*out[:2], hooks_lib.positions(out[2], T))
 
@@ -346,7 +350,7 @@ def decode_step(params: Params, cache: KVCache, token, pos, hooks=None):
     count_trace("decode_step")
     token_B, pos_B = checks.decode_args(params.config, cache, token, pos)
     pos_BT = pos_B[:, None]
-    tap = hooks_lib.tap_for(hooks, pos_BT, params.config.n_layers, n_keys=cache.capacity)
+    tap = hooks_lib.tap_for(hooks, pos_BT, params.config, n_keys=cache.capacity)
     x_BTD, cache = cached_pass(params, cache, token_B[:, None], pos_BT, pos_BT,
                                causal_mask(pos_BT, cache.capacity), kv_len=jnp.max(pos_B) + 1,
                                lengths_B=pos_B, tap=tap)

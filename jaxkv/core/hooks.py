@@ -13,6 +13,10 @@ Sites, each [B, T, D] (T: the positions this pass processes) but head_out and at
               [B, T, N, H] (an edit that zeroes head n ablates it)
   attn_out    per layer: the self-attention sublayer's output, projected back to D (and normed,
               where the model norms sublayer outputs), before it joins the stream
+  router      per layer, mixtures of experts only: the router's logits over the experts, [B, T,
+              E], float32, before its softmax and top k (an edit changes which experts a token
+              takes and their weights: -inf bans one); a dense layer of a mixture (Qwen3-MoE's
+              mlp_only_layers) records zeros and ignores edits
   mlp_out     per layer: the MLP sublayer's output, likewise
   resid_post  per layer: the residual stream leaving the layer
   final       the final norm's output, which the head reads
@@ -28,7 +32,7 @@ program's structure, so a new one compiles again; wrap arrays as arguments with
 jax.tree_util.Partial(fn, array) to reuse the program for new values.
 The captures come back as acts: {site: [L', B, T, D]} for the per-layer sites (L' the captured
 layers in the model's order, each once; head_out [L', B, T, N, H], attn_probs [L', B, N, T,
-S]), {site: [B, T, D]} for embed and final.
+S], router [L', B, T, E]), {site: [B, T, D]} for embed and final.
 """
 
 import dataclasses
@@ -43,7 +47,8 @@ import numpy as np
 
 from jaxkv import ops
 
-LAYER_SITES = ("resid_pre", "attn_probs", "head_out", "attn_out", "mlp_out", "resid_post")
+LAYER_SITES = ("resid_pre", "attn_probs", "head_out", "attn_out", "router", "mlp_out",
+               "resid_post")
 SITES = ("embed", *LAYER_SITES, "final")
 
 
@@ -97,12 +102,16 @@ class Hooks:
         object.__setattr__(hooks, "edit", dict(zip(keys, fns)))
         return hooks
 
-    def check_layers(self, n_layers: int):
-        """An error naming any layer past the model's n_layers."""
+    def check_model(self, config):
+        """An error naming any layer past the model's, or the router of a model without
+        experts."""
         named = [*(self.layers or ()), *(k[1] for k in self.edit if k[1] is not None)]
-        if any(i >= n_layers for i in named):
-            raise ValueError(f"Hooks: the model has layers 0..{n_layers - 1}, got layer "
+        if any(i >= config.n_layers for i in named):
+            raise ValueError(f"Hooks: the model has layers 0..{config.n_layers - 1}, got layer "
                              f"{max(named)}")
+        if not config.n_experts and any(self.touches("router", i) for i in range(config.n_layers)):
+            raise ValueError("Hooks: 'router' is a mixture of experts' site, and this model has "
+                             "no experts (Config.n_experts is 0)")
 
     def captures(self, site: str, layer: int | None) -> bool:
         """Whether (site, layer) is captured."""
@@ -153,6 +162,12 @@ class Tap:
             self.acts.setdefault(site, []).append(x_BTD)
         return x_BTD
 
+    def absent(self, site: str, layer: int, x):
+        """Records x, no edit applied, where (site, layer) is captured: what a layer without
+        the site (a mixture's dense layer, for its router) stands in with."""
+        if self.record and self.hooks.captures(site, layer):
+            self.acts.setdefault(site, []).append(x)
+
     def at(self, site: str, layer: int | None):
         """x -> self(site, layer, x), or None where nothing captures or edits (site, layer) (so
         the sublayer keeps its fused form)."""
@@ -195,26 +210,27 @@ def by_position(w_BNTX, key_pos_BX, n_keys: int):
     return jnp.transpose(out_BSNT, (0, 2, 3, 1))
 
 
-def tap_for(hooks: Hooks | None, pos_BT, n_layers: int, record: bool = True,
+def tap_for(hooks: Hooks | None, pos_BT, config, record: bool = True,
             n_keys: int | None = None):
-    """A Tap for hooks (checked against the model's layers), or None for no hooks."""
+    """A Tap for hooks (checked against the model's config), or None for no hooks."""
     if hooks is None:
         return None
     if not isinstance(hooks, Hooks):
         raise TypeError(f"hooks: expected a jaxkv.Hooks, got {type(hooks).__name__}")
-    hooks.check_layers(n_layers)
+    hooks.check_model(config)
     return Tap(hooks, pos_BT, record, n_keys)
 
 
 def shape(site: str, config, B: int, T: int, n_layers: int | None = None,
           n_keys: int | None = None) -> tuple:
     """A capture's shape over n_layers layers (default all) for the per-layer sites: [L', B, T,
-    ...], else [B, T, D]; head_out's last two [N, H], the others' D; attn_probs [L', B, N, T,
-    n_keys]."""
+    ...], else [B, T, D]; head_out's last two [N, H], router's E, the others' D; attn_probs
+    [L', B, N, T, n_keys]."""
     layers = (config.n_layers if n_layers is None else n_layers,)
     if site == "attn_probs":
         return layers + (B, config.n_heads, T, n_keys)
-    tail = (config.n_heads, config.head_dim) if site == "head_out" else (config.d_model,)
+    tail = {"head_out": (config.n_heads, config.head_dim),
+            "router": (config.n_experts,)}.get(site, (config.d_model,))
     return (layers if site in LAYER_SITES else ()) + (B, T) + tail
 
 
@@ -229,8 +245,9 @@ def _b_axis(site: str, x) -> int:
 
 
 def _dtype(site: str, dtype):
-    """What a capture of site is kept as: attn_probs float32, the others the model's dtype."""
-    return jnp.float32 if site == "attn_probs" else dtype
+    """What a capture of site is kept as: attn_probs and router float32, the others the model's
+    dtype."""
+    return jnp.float32 if site in ("attn_probs", "router") else dtype
 
 
 def empty_acts(hooks: Hooks | None, config, B: int, T: int, dtype,

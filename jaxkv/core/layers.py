@@ -86,14 +86,17 @@ def mlp(x_BTD, b, config: Config, norm_p: Norm | None = None, residual_BTD=None)
                       residual=residual_BTD)
 
 
-def moe(x_BTD, b, config: Config, norm_p: Norm | None = None, residual_BTD=None):
+def moe(x_BTD, b, config: Config, norm_p: Norm | None = None, residual_BTD=None,
+        router_hook=None):
     """Mixture-of-experts feed-forward of one block b (config.is_moe): x normed by norm_p, the
-    router's softmax over the experts in float32, each token's top experts_per_token
-    (renormalized to sum 1 where config.norm_topk, then in x's dtype, as transformers rounds
-    them), their MLPs' weighted sum (ops.experts); residual_BTD added after, where given."""
+    router's softmax over the experts in float32 (its logits through router_hook, where given:
+    hooks' site "router"), each token's top experts_per_token (renormalized to sum 1 where
+    config.norm_topk, then in x's dtype, as transformers rounds them), their MLPs' weighted sum
+    (ops.experts); residual_BTD added after, where given."""
     B, T, D = x_BTD.shape
     h_BTD = x_BTD if norm_p is None else ops.norm(x_BTD, *normed(config, norm_p))
     logits_BTE = ops.matmul(h_BTD, b.router, dtype=jnp.float32)
+    logits_BTE = logits_BTE if router_hook is None else router_hook(logits_BTE)
     top_BTK, expert_BTK = jax.lax.top_k(jax.nn.softmax(logits_BTE, -1), config.experts_per_token)
     if config.norm_topk:
         top_BTK = top_BTK / top_BTK.sum(-1, keepdims=True)

@@ -165,7 +165,7 @@ class Schedule:
         if logprobs is not None and checks.int_arg(logprobs, "logprobs", 0) > c.vocab_size:
             raise ValueError(f"logprobs must be at most the vocabulary's {c.vocab_size} tokens, "
                              f"got {logprobs}")
-        hooks_lib.tap_for(hooks, None, c.n_layers)  # (checks hooks)
+        hooks_lib.tap_for(hooks, None, c)  # (checks hooks)
         if hooks is not None and mesh is not None:
             raise ValueError("hooks: generate_many with a mesh does not capture or edit yet; "
                              "use generate(..., mesh=, hooks=)")

@@ -168,7 +168,7 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
     if check_mesh(mesh) is not None:
         params, per_row, encoder = (shard_params(params, mesh), shard_rows(per_row, mesh),
                                     shard_rows(encoder, mesh))
-    hooks_lib.tap_for(hooks, None, c.n_layers)  # (checks hooks)
+    hooks_lib.tap_for(hooks, None, c)  # (checks hooks)
     hooks_lib.check_fits(hooks, c, B, capacity, params.embed.dtype, n_keys=capacity)
     automaton = None if constraint is None else constraints.for_rows(
         constraint, B, c.vocab_size, bool(eos_E[0] >= 0), max_new_tokens)

@@ -40,7 +40,7 @@ def loglikelihood_many(params, requests: Sequence, *, batch_size: int = 16,
     prefix)."""
     checks.int_arg(batch_size, "batch_size")
     pairs = checked_requests(params.config, requests)
-    hooks_lib.tap_for(hooks, None, params.config.n_layers)  # (checks hooks)
+    hooks_lib.tap_for(hooks, None, params.config)  # (checks hooks)
     if hooks is not None and mesh is not None:
         raise ValueError("hooks: loglikelihood_many with a mesh does not capture or edit yet")
     if check_mesh(mesh) is not None:

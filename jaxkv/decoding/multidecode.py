@@ -150,7 +150,7 @@ def _forest_pass(params, prefix: Prefix, tokens_BN, depth_BN, mask_BNN, hooks=No
     B, N = tokens_BN.shape
     pos_BN = prefix.length[:, None] + depth_BN
     slot_BN = jnp.broadcast_to(jnp.arange(N), (B, N))
-    tap = hooks_lib.tap_for(hooks, pos_BN, params.config.n_layers, n_keys=N)
+    tap = hooks_lib.tap_for(hooks, pos_BN, params.config, n_keys=N)
     x_BND, cache = extend(params, init_cache(params, B, N, prefix.cache.dtype), tokens_BN, pos_BN,
                           slot_BN, mask_BNN, prefix=prefix.shared, tap=tap)
     logits_BNV = logits(params, x_BND, tap)
@@ -180,7 +180,7 @@ def forest_pass(params, tokens, parents, prefix: Prefix, hooks=None):
     check_positions(params, prefix, int(depth_BN.max()) + 1)
     if prefix.length.shape[0] not in (1, B):
         raise ValueError(f"prefix has {prefix.length.shape[0]} rows; expected 1 or {B}")
-    hooks_lib.tap_for(hooks, None, params.config.n_layers)  # (checks hooks)
+    hooks_lib.tap_for(hooks, None, params.config)  # (checks hooks)
     logits_BNV, cache, *acts = _forest_pass(params, prefix, jnp.asarray(tokens_BN),
                                             jnp.asarray(depth_BN), jnp.asarray(mask_BNN), hooks)
     return (logits_BNV, cache, forests, *acts)

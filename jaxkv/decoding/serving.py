@@ -131,7 +131,7 @@ def _decode(params, rows: Rows, eos_E, stop: StopStrings, max_steps, hooks, auto
                                               automaton)
         going_B = ~answers.done
         pos_B1, capacity = rows.pos[:, None], rows.cache.capacity
-        tap = hooks_lib.tap_for(hooks, pos_B1, params.config.n_layers, n_keys=capacity)
+        tap = hooks_lib.tap_for(hooks, pos_B1, params.config, n_keys=capacity)
         x_B1D, cache = cached_pass(params, rows.cache, token_B[:, None], pos_B1,
                                    jnp.where(going_B[:, None], pos_B1, capacity),
                                    causal_mask(pos_B1, capacity),
