@@ -198,10 +198,13 @@ def expert_reference(x_RD, w_in_EOD, w_out_EDF, expert_RK, weight_RK):
     return y
 
 
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_experts_equal_each_row_through_its_experts(rows):
-    """ops.experts, a decode step's few rows (weights gathered) and a prefill's many (tiles of
-    one expert each), equals each row run through its chosen experts alone."""
+def test_experts_equal_each_row_through_its_experts(rows, backend, monkeypatch):
+    """ops.experts equals each row run through its chosen experts alone: XLA's portable form,
+    a decode step's few rows (weights gathered) and a prefill's many (tiles of one expert
+    each), and the CPU backend's (the kernels)."""
+    monkeypatch.setenv("JAXKV_OPS", backend)
     rng = np.random.default_rng(rows)
     E, D, F, K = 6, 16, 8, 2
     w_in, w_out = rng.normal(size=(E, 2 * F, D)), rng.normal(size=(E, D, F))
@@ -215,10 +218,12 @@ def test_experts_equal_each_row_through_its_experts(rows):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
 @pytest.mark.parametrize("rows", [1, 40])
-def test_int8_experts_equal_their_dequantized_weights(rows):
+def test_int8_experts_equal_their_dequantized_weights(rows, backend, monkeypatch):
     """Experts quantized per expert and row (jaxkv.quantize's form) are read as int8 in both of
-    ops.experts' forms and give what their dequantized float weights give."""
+    XLA's forms and the CPU kernels, and give what their dequantized float weights give."""
+    monkeypatch.setenv("JAXKV_OPS", backend)
     rng = np.random.default_rng(rows)
     E, D, F, K = 5, 16, 8, 2
     w_in, w_out = (quantize_matrix(rng.normal(size=s).astype(np.float32))
