@@ -11,6 +11,9 @@
 #   speculative lookup (default tree and 4 x 1) against generate, grounded and free-form prompts
 #   attention   the decode attention kernel per layer against XLA's, SmolLM2's and Gemma 3's
 #               heads, float32 / bfloat16 / int8 caches, 128 .. 8,192 keys
+#   moe         (not in the default steps; ~6 min) a random 0.49B Qwen3-MoE (0.10B active),
+#               float32 / bfloat16 / int8 / Q8_0's blocks against llama.cpp F32 / F16 / Q8_0,
+#               batch 1, its GGUF written as llama.cpp's converter writes one
 #   builds      (not in the default steps; ~14 min) the decode step again, one process each
 #               with the kernels built for native, x86-64-v4 (AVX-512 without its bfloat16 dot
 #               product), x86-64-v3 (AVX2) and x86-64 (JAXKV_CPU_MARCH) and with XLA's
@@ -53,8 +56,8 @@ esac
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)${EMULATE:+, emulating $EMULATE} -> $out"
 steps=${STEPS:-decode prefill chunks speculative attention}
 for step in $steps; do
-  case $step in decode|prefill|chunks|speculative|attention|builds) ;;
-    *) echo "unknown step $step (decode, prefill, chunks, speculative, attention, builds)" >&2
+  case $step in decode|prefill|chunks|speculative|attention|moe|builds) ;;
+    *) echo "unknown step $step (decode, prefill, chunks, speculative, attention, moe, builds)" >&2
        exit 2 ;;
   esac
 done
@@ -75,6 +78,9 @@ for step in $steps; do
               --trees defaultx1 4x1 --no-draft --repeats 3 --out "$out/bench_speculative" ;;
     attention) $python scripts/bench_attention.py --shapes smollm2 gemma3 \
               --out "$out/bench_attention" ;;
+    moe) $python scripts/bench_decode.py --models qwen3moe-small --batches 1 \
+              --dtypes float32 bfloat16 int8 q8_0 --llamacpp F32 F16 Q8_0 --no-hf --repeats 3 \
+              --out "$out/bench_decode_llamacpp_qwen3moe" ;;
     builds) mkdir -p "$out/builds"
             for round in 1 2; do
               for build in native x86-64-v4 x86-64-v3 x86-64 xla; do

@@ -150,6 +150,11 @@ def test_bench_cpu_steps_parse(tmp_path):
                             env=dict(env, STEPS="builds"))
     commands += [line.split() for line in builds.stdout.splitlines()][-1:]
     assert builds.returncode == 0 and builds.stdout.count(sys.executable) == 10, builds.stderr
+    moe = subprocess.run(["bash", script], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(env, STEPS="moe"))
+    commands += [line.split() for line in moe.stdout.splitlines()
+                 if line.startswith(sys.executable)]
+    assert moe.returncode == 0 and "qwen3moe-small" in commands[-1], moe.stderr
     for command in commands:
         parsed = subprocess.run([*command, "--help"], capture_output=True, text=True, cwd=ROOT)
         assert parsed.returncode == 0, (command, parsed.stderr[-2000:])
