@@ -38,7 +38,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 default_python=python3
-[ -x .venv/bin/python ] && default_python=.venv/bin/python  # the README's set-up
+[ -x .venv/bin/python ] && default_python=$PWD/.venv/bin/python  # the README's set-up
 python="${DRY_RUN:+echo }${PYTHON:-$default_python}"
 out=${OUT:-$(cd scripts && "${PYTHON:-$default_python}" -c \
              'from bench_checks import results_dir; print(results_dir("cpu"))')} || exit 1
