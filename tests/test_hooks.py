@@ -109,13 +109,19 @@ def test_prefill_then_steps_with_an_edit_equal_forward(llama):
                               "final": lambda x, pos: x * 1.5})
     tokens_BT = np.asarray(random_tokens(9, (1, 10)))
     ref_BTV, _ = jaxkv.forward(llama, tokens_BT, hooks=hooks)
-    cache = jaxkv.init_cache(llama, 1, 32)
-    logits_BV, cache, _ = jaxkv.prefill(llama, cache, tokens_BT[:, :6], hooks=hooks)
-    np.testing.assert_allclose(logits_BV[0], ref_BTV[0, 5], atol=1e-4)
-    for t in range(6, 10):
-        logits_BV, cache, _ = jaxkv.decode_step(llama, cache, tokens_BT[:, t], jnp.array([t]),
+    assert_prefill_then_steps_give(llama, tokens_BT, 6, hooks, ref_BTV)
+
+
+def assert_prefill_then_steps_give(params, tokens_BT, split, hooks, want_BTV, capacity=32):
+    """One row's first `split` tokens prefilled, the rest decode steps, all with hooks: the
+    logits at each position equal want_BTV's."""
+    cache = jaxkv.init_cache(params, 1, capacity)
+    logits_BV, cache, _ = jaxkv.prefill(params, cache, tokens_BT[:, :split], hooks=hooks)
+    np.testing.assert_allclose(logits_BV[0], want_BTV[0, split - 1], atol=1e-4)
+    for t in range(split, tokens_BT.shape[1]):
+        logits_BV, cache, _ = jaxkv.decode_step(params, cache, tokens_BT[:, t], jnp.array([t]),
                                                 hooks)
-        np.testing.assert_allclose(logits_BV[0], ref_BTV[0, t], atol=1e-4)
+        np.testing.assert_allclose(logits_BV[0], want_BTV[0, t], atol=1e-4)
 
 
 def test_encoder_decoder_captures_and_edits(encdec):
@@ -512,13 +518,7 @@ def test_a_router_edit_that_bans_experts_equals_a_mixture_without_them():
     got_BTV, _ = jaxkv.forward(params, tokens_BT, hooks=hooks)
     np.testing.assert_allclose(got_BTV, want_BTV, atol=1e-5)
     assert np.abs(want_BTV - jaxkv.forward(params, tokens_BT)).max() > 1e-3
-    cache = jaxkv.init_cache(params, 1, 16)
-    logits_BV, cache, _ = jaxkv.prefill(params, cache, tokens_BT[:, :5], hooks=hooks)
-    np.testing.assert_allclose(logits_BV[0], want_BTV[0, 4], atol=1e-4)
-    for t in range(5, 9):
-        logits_BV, cache, _ = jaxkv.decode_step(params, cache, tokens_BT[:, t], jnp.array([t]),
-                                                hooks)
-        np.testing.assert_allclose(logits_BV[0], want_BTV[0, t], atol=1e-4)
+    assert_prefill_then_steps_give(params, tokens_BT, 5, hooks, want_BTV, capacity=16)
 
 
 def test_the_router_of_a_model_without_experts_is_refused(llama):
