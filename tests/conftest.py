@@ -138,6 +138,16 @@ def gemma3_hf_tokenizer(gemma3_gguf):
     return hf_from_gguf(AutoTokenizer, gemma3_gguf)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def free_compiled_programs():
+    """Each test file's compiled programs freed after it. XLA:CPU maps about 150 memory regions
+    for each compiled decode step; a worker that kept every file's programs reached Linux's
+    vm.max_map_count (65,530) two thirds of the way through the suite, and XLA then crashed
+    while compiling (docs/guide.md, "Many compiled programs in one process")."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def llama():
     return jaxkv.init_params(CONFIGS["llama_gqa"], jax.random.key(1))

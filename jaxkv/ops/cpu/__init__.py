@@ -1,14 +1,15 @@
 """The CPU backend: C++ kernels for what a decode step is made of (products of a few rows,
 attention over a cache), weights on 2 MiB pages, and the forms XLA:CPU computes fastest where
 no kernel fits. Chosen on CPUs (JAXKV_OPS=cpu forces it); JAXKV_CPU_KERNELS=0 keeps its XLA
-forms without the kernels. Measurements behind each choice: docs/performance.md."""
+forms without the kernels. Measurements behind each choice: docs/performance.md. In use, it
+warns before XLA:CPU's compiled programs use up the process's memory maps (maps.py)."""
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.ops import xla
 from jaxkv.ops.arrays import Int8, PagedKV, dequantize_rows, logical
-from jaxkv.ops.cpu import kernels, pages
+from jaxkv.ops.cpu import kernels, maps, pages
 
 # XLA:CPU stores into a 16-bit float array by converting the whole layer to float32 and back;
 # a uint16 store writes only its slots, so half caches are kept as their bits (HalfKV).
@@ -23,6 +24,7 @@ LOOP_ROWS = 16  # up to this many rows of int8 products run as one loop over w's
 ROW_CHUNK = 64
 ROW_CHUNK_UP_TO = 2048
 ROW_CHUNK_UP_TO_BLOCKS = 1024
+maps.watch()
 
 
 def matmul(x_BTI, w, b_O=None, dtype=None, costly_x=False):
