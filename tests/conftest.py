@@ -138,6 +138,15 @@ def gemma3_hf_tokenizer(gemma3_gguf):
     return hf_from_gguf(AutoTokenizer, gemma3_gguf)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def compile_cache_of_the_session(tmp_path_factory):
+    """The command line's default persistent compilation cache (in-process and in the
+    subprocesses tests start) in the session's temporary folder, not the user's ~/.cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAXKV_COMPILE_CACHE", str(tmp_path_factory.mktemp("xla")))
+        yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def free_compiled_programs():
     """Each test file's compiled programs freed after it. XLA:CPU maps about 150 memory regions

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import jaxkv
@@ -46,9 +47,13 @@ def run_cli(*argv):
                           text=True, timeout=600)
 
 
-def test_generate_streams_and_reports_speed(tiny_model_dir, capsys):
+def test_generate_streams_and_reports_speed(tiny_model_dir, capsys, tmp_path):
+    before = jax.config.jax_compilation_cache_dir
     cli.main(["generate", "Hello", "--model", str(tiny_model_dir), "--max-new-tokens", "6",
-              "--temperature", "0.8", "--top-k", "20", "--seed", "3"])
+              "--temperature", "0.8", "--top-k", "20", "--seed", "3", "--compile-cache",
+              str(tmp_path / "xla")])
+    assert os.listdir(tmp_path / "xla")  # the programs kept there
+    assert jax.config.jax_compilation_cache_dir == before  # and the process's setting restored
     captured = capsys.readouterr()
     assert captured.out.endswith("\n") and "tokens/s" not in captured.out  # the answer alone
     report = captured.err.strip().splitlines()[-1]  # statistics and progress on stderr

@@ -142,15 +142,29 @@ def check_memory(params, batch: int, capacity: int, free: int | None = None) -> 
 
 # ---- the commands -----------------------------------------------------------------------------
 
-def enable_compile_cache(directory: str) -> None:
-    """JAX's persistent compilation cache in directory ('off': none)."""
+@contextlib.contextmanager
+def compile_cache(directory: str):
+    """JAX's persistent compilation cache in directory while a command runs ('off': none); the
+    settings it found are restored after, so main called from Python (a notebook, the tests)
+    leaves later compiles of the process as they were."""
     if directory == "off":
+        yield
         return
     import jax
+    from jax.experimental.compilation_cache import compilation_cache
 
     os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small ones add up
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    found = [getattr(jax.config, name) for name in names]
+    for name, value in zip(names, (directory, 0)):  # 0 s: small programs add up
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()  # opened again, at the next compile, from these settings
+    try:
+        yield
+    finally:
+        for name, value in zip(names, found):
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
 
 
 def prompt_ids(path, config, tokenizer, prompt: str, use_chat: bool) -> list[int]:
@@ -180,7 +194,6 @@ def start(args, mesh=None):
     from jaxkv.core.params import cast
 
     check_generate_args(args)
-    enable_compile_cache(args.compile_cache)
     path = model_path(args.model, default_model)
     t0 = time.perf_counter()
     status(f"loading {path}")
@@ -365,7 +378,8 @@ def main(argv=None) -> None:
     was kept, and exit code 130 (a shell's code for SIGINT)."""
     args = parser().parse_args(argv)
     try:
-        COMMANDS[args.command](args)
+        with compile_cache(getattr(args, "compile_cache", "off")):  # (generate and chat's flag)
+            COMMANDS[args.command](args)
     except (ValueError, OSError, MemoryError) as e:
         message = " ".join(str(e).split())  # one line, whatever the message held
         raise SystemExit(f"jaxkv: {message}") from e
