@@ -79,6 +79,24 @@ def test_compiled_once(llama):
     assert dict(jaxkv.trace_counts) == {"generate": 1, "prefill": 1, "decode_step": 1}
 
 
+def test_budgets_in_one_block_share_a_program(llama):
+    """max_new_tokens 1 .. 16 compile one program (the cache's capacity rounds up to the same
+    16 slots); each answer is the longest one's first tokens, [B, max_new_tokens]; 17 is a new
+    block."""
+    jax.clear_caches()
+    jaxkv.trace_counts.clear()
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    longest, lengths = jaxkv.generate(llama, prompts, 16)
+    for n in (1, 5, 11):
+        tokens, lengths_n = jaxkv.generate(llama, prompts, n)
+        assert tokens.shape == (2, n)
+        np.testing.assert_array_equal(tokens, longest[:, :n])
+        np.testing.assert_array_equal(lengths_n, np.minimum(lengths, n))
+    assert jaxkv.trace_counts["generate"] == 1
+    assert jaxkv.generate(llama, prompts, 17)[0].shape == (2, 17)
+    assert jaxkv.trace_counts["generate"] == 2
+
+
 def test_jitted_decode_step_and_prefill_trace_once(llama):
     jax.clear_caches()  # (an earlier test may have compiled the same signatures)
     jaxkv.trace_counts.clear()

@@ -19,9 +19,9 @@ from jaxkv.core.sharding import (check_mesh, constrain_cache, replicated, shard_
                                  shard_rows)
 from jaxkv.core.tracecount import count_trace
 from jaxkv.decoding import constraints, rows, stops
-from jaxkv.decoding.prompts import (capacity_for, check_room, eos_ids, pad_value,
-                                    padded_encoder_inputs, prepare_prompts, token_mask,
-                                    whole_blocks)
+from jaxkv.decoding.prompts import (SLOT_MULTIPLE, capacity_for, check_room, eos_ids,
+                                    pad_value, padded_encoder_inputs, prepare_prompts,
+                                    token_mask, whole_blocks)
 from jaxkv.decoding.sampling import SamplingParams, row_keys, sampling_params
 from jaxkv.decoding.stops import StopStrings
 
@@ -35,17 +35,20 @@ class _Decoding:
     acts: dict  # hooks' captures {site: [.., B, capacity, D]} by position; {} without hooks
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "capacity", "on_token", "mesh",
+@functools.partial(jax.jit, static_argnames=("slots", "capacity", "on_token", "mesh",
                                              "kv_dtype"))
 @checks.trusted()  # generate_args checked the prompts; the loop makes its own positions
 def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B, eos_E, pad_id,
-                  suppress_V, begin_suppress_V, stop: StopStrings, encoder_inputs=None,
-                  encoder_lengths=None, hooks=None, automaton=None, starts_B=None, *,
-                  max_new_tokens: int, capacity: int, on_token=None, mesh=None, kv_dtype=None):
+                  suppress_V, begin_suppress_V, stop: StopStrings, max_new_tokens,
+                  encoder_inputs=None, encoder_lengths=None, hooks=None, automaton=None,
+                  starts_B=None, *, slots: int, capacity: int, on_token=None, mesh=None,
+                  kv_dtype=None):
     """The compiled program behind generate: (encoder and cross K/V,) prefill, then a while
     loop of sample + decode_step that stops when every row has ended (with hooks, each pass's
     captures written at its positions; with a constraints.Automaton, each row's draws kept to
-    what its constraint allows, from its start state starts_B)."""
+    what its constraint allows, from its start state starts_B). max_new_tokens is traced and
+    the answers have `slots` >= it (tokens [B, slots], pad past it), so the budgets of one block
+    of SLOT_MULTIPLE share a program."""
     count_trace("generate")
     B = tokens_BT.shape[0]
     cache = constrain_cache(init_cache(params, B, capacity, kv_dtype,
@@ -55,7 +58,7 @@ def generate_loop(params, tokens_BT, lengths_B, sampling: SamplingParams, keys_B
                                              jnp.zeros((B,), jnp.int32), hooks=hooks)
     acts = hooks_lib.positions(acts[0], capacity) if acts else {}
     seen_BV = rows.prompt_seen(params.config.vocab_size, tokens_BT, lengths_B)
-    answers = rows.empty(B, max_new_tokens, stop.completes.shape[1], pad_id, seen_BV,
+    answers = rows.empty(B, slots, stop.completes.shape[1], pad_id, seen_BV,
                          state_B=starts_B)
     V = params.config.vocab_size
     state = _Decoding(constrain_cache(cache, mesh), logits_BV, lengths_B, answers, acts)
@@ -115,13 +118,19 @@ def generate(params, prompts, max_new_tokens: int, **options):
     args, static = generate_args(params, prompts, max_new_tokens, **options)
     with ops.on(args[0]):  # the program is built for where the weights are (or the mesh)
         if static["on_token"] is None:
-            return generate_loop(*args, **static)
+            return _cut(generate_loop(*args, **static), max_new_tokens)
         try:  # wait here, so that an exception on_token raised surfaces as itself
-            return jax.block_until_ready(generate_loop(*args, **static))
+            return _cut(jax.block_until_ready(generate_loop(*args, **static)), max_new_tokens)
         except jax.errors.JaxRuntimeError:
             if RaisedInCallback.errors:
                 raise RaisedInCallback.errors.pop() from None
             raise
+
+
+def _cut(out: tuple, max_new_tokens: int) -> tuple:
+    """generate_loop's results with the tokens [B, slots] cut to [B, max_new_tokens]."""
+    tokens = out[0] if out[0].shape[1] == max_new_tokens else out[0][:, :max_new_tokens]
+    return (tokens, *out[1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,11 +182,13 @@ def generate_args(params, prompts, max_new_tokens: int, *, lengths=None, tempera
     automaton = None if constraint is None else constraints.for_rows(
         constraint, B, c.vocab_size, bool(eos_E[0] >= 0), max_new_tokens)
     args = (params, *per_row, eos_E, jnp.int32(pad_id), suppress_V, begin_V,
-            stops.tables(c, stop, tokenizer), *encoder, hooks, *(automaton or (None, None)))
+            stops.tables(c, stop, tokenizer), jnp.int32(max_new_tokens), *encoder, hooks,
+            *(automaton or (None, None)))
     if on_token is not None and mesh is not None and mesh.is_multi_process:
         raise ValueError("on_token: a host callback inside a program spread over several "
                          "processes is not supported; use iter_many / iter_tokens, or no mesh")
     on_token = None if on_token is None else RaisedInCallback(on_token)
     kv_dtype = None if kv_dtype is None else checks.kv_dtype(kv_dtype, "kv_dtype")
-    return args, dict(max_new_tokens=max_new_tokens, capacity=capacity, on_token=on_token,
+    slots = -(-max_new_tokens // SLOT_MULTIPLE) * SLOT_MULTIPLE  # capacity rounds up as much
+    return args, dict(slots=slots, capacity=capacity, on_token=on_token,
                       mesh=mesh, kv_dtype=kv_dtype)

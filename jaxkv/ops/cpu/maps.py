@@ -5,7 +5,7 @@ small model's decode step, 350 for generate's loop (docs/guide.md, "Many compile
 one process"). They stay while JAX's caches hold the program, and Linux gives a process
 vm.max_map_count of them (65,530 by default). At the limit XLA crashes the process while
 compiling (a segmentation fault or an abort, no Python error), so a sweep that compiles a
-program per setting (generate over hundreds of max_new_tokens) would die without a word. Every
+program per setting (a jitted function over hundreds of shapes) would die without a word. Every
 EVERY compiles the regions are counted, and past WARN_AT of the limit a RuntimeWarning says what
 frees them.
 """
@@ -47,7 +47,7 @@ def check(most: int) -> None:
         warnings.warn(
             f"this process has mapped {used} memory regions of the {most} Linux allows it "
             "(vm.max_map_count); XLA:CPU keeps about 150-350 for each compiled program (each "
-            "new shape, or generate's max_new_tokens) and crashes while compiling at the "
+            "new shape of a jitted function) and crashes while compiling at the "
             "limit. jax.clear_caches() frees the programs; or raise the limit: sudo sysctl -w "
             "vm.max_map_count=262144", RuntimeWarning, stacklevel=2)
 
